@@ -1,0 +1,3 @@
+"""placeholder"""
+def add_bench_args(p):
+    pass

@@ -1,0 +1,197 @@
+"""Deterministic Llama-architecture checkpoints in the Hugging Face layout.
+
+`make_checkpoint` writes config.json, one or more ``*.safetensors`` shards and, when there is more
+than one shard, ``model.safetensors.index.json``: what an engine finds in a downloaded model
+directory. Weights are seeded random numbers (no hub access); every tensor is drawn from its own
+generator seeded by (seed, tensor name), so the bytes do not depend on shard layout or write order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import tokenizer
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    max_shard_bytes: int
+
+
+PRESETS: dict[str, Preset] = {
+    # A few MB; two shards so every test exercises the sharded layout and its index.
+    "tiny": Preset(128, 384, 4, 4, 2, 512, 512, 10000.0, 1 << 20),
+    # About 500 MB in bf16: big enough that disk and cache timings differ by orders of magnitude.
+    "small": Preset(1024, 2816, 16, 16, 4, 32000, 2048, 10000.0, 256 << 20),
+    # The shapes of Llama-3.1-8B: 291 tensors, about 16 GB in bf16.
+    "llama-8b": Preset(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, 5 << 30),
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_hidden_layers,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_key_value_heads": preset.num_key_value_heads,
+        "vocab_size": preset.vocab_size,
+        "max_position_embeddings": preset.max_position_embeddings,
+        "rope_theta": preset.rope_theta,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tie_embeddings,
+        "torch_dtype": dtype,
+        "bos_token_id": tokenizer.BOS_ID,
+        "eos_token_id": tokenizer.EOS_ID,
+    }
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes in the Hugging Face Llama layout, in checkpoint order."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (h, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, h)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def random_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    gen = _generator(seed, name)
+    if name.endswith("norm.weight"):
+        # Norm gains near 1 (not exactly 1) so zeroing or editing one changes the model's output.
+        t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    else:
+        t = torch.randn(shape, generator=gen) * 0.02 * (4.0 if "embed" in name else 1.0)
+    return t.to(dtype)
+
+
+def make_checkpoint(
+    out_dir: str | os.PathLike,
+    preset: str = "tiny",
+    tie_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    p = PRESETS[preset]
+    limit = max_shard_bytes or p.max_shard_bytes
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(p, tie_embeddings, dtype)
+    shapes = tensor_shapes(cfg)
+    torch_dtype = DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+
+    # Plan shards first (by byte size, in checkpoint order) so file names carry the shard count.
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        nbytes = itemsize * _numel(shape)
+        if shards[-1] and used + nbytes > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+
+    total = len(shards)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for idx, names in enumerate(shards, start=1):
+        fname = "model.safetensors" if total == 1 else f"model-{idx:05d}-of-{total:05d}.safetensors"
+        tensors = {n: random_tensor(seed, n, shapes[n], torch_dtype) for n in names}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            weight_map[n] = fname
+            total_size += t.numel() * t.element_size()
+        del tensors
+    for stale in out.glob("*.safetensors"):
+        if stale.name not in weight_map.values():
+            stale.unlink()
+    index = out / "model.safetensors.index.json"
+    if total > 1:
+        index.write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
+    elif index.exists():
+        index.unlink()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def read_config(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"No config.json in {model_dir}: not a model directory")
+    cfg = json.loads(path.read_text())
+    if cfg.get("model_type") != "llama":
+        raise CheckpointError(f"Unsupported model_type {cfg.get('model_type')!r} in {path}; wcache serves llama")
+    return cfg
+
+
+def shard_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoint's safetensors files, sorted; the index (when present) must agree."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [d / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"Shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"No *.safetensors files in {model_dir}")
+    return files

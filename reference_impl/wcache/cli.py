@@ -1,0 +1,128 @@
+"""`wcache` command line: make-checkpoint, serve, preload, bench.
+
+``serve`` and ``preload`` share the model arguments (`add_engine_args`) so the daemon builds the
+same engine configuration, and therefore the same cache key, as the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from . import __version__, logs
+from .checkpoint import DTYPES, PRESETS
+from .config import DTYPE_CHOICES
+from .quant import METHODS
+
+log = logging.getLogger("wcache.cli")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weight and compute dtype; auto takes torch_dtype from config.json")
+    p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
+                   help="quantization method; default: the checkpoint's quantization_config, else none")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto picks cuda when available")
+    p.add_argument("--revision", default=None, help="model revision recorded in the cache key")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "ipc_cache"],
+                   help="where weights come from; ipc_cache maps them from the weight cache daemon")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wcache", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"wcache {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-checkpoint", help="write a deterministic Llama-style safetensors checkpoint")
+    mk.add_argument("dir")
+    mk.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    mk.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+
+    serve = sub.add_parser("serve", help="run the engine with an HTTP API")
+    serve.add_argument("model", help="model directory (config.json + *.safetensors)")
+    add_engine_args(serve)
+    serve.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
+                       help="ipc_cache loader settings as a JSON object (see the loader key table)")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
+
+    from .launcher import add_preload_args
+
+    preload = sub.add_parser("preload", help="run the weight cache daemon(s) for a model")
+    preload.add_argument("--model", required=True, help="model directory")
+    add_engine_args(preload)
+    add_preload_args(preload)
+
+    from .bench import add_bench_args
+
+    bench = sub.add_parser("bench", help="time weights-ready for disk, zero_copy and copy in one run")
+    add_bench_args(bench)
+    return parser
+
+
+def cmd_make_checkpoint(args) -> int:
+    t0 = time.perf_counter()
+    from .checkpoint import make_checkpoint
+
+    out = make_checkpoint(args.dir, args.preset, args.tie_embeddings, args.seed, args.dtype)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"Wrote {args.preset} checkpoint to {out} in {time.perf_counter() - t0:.1f} s: {', '.join(files)}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .config import EngineConfig
+    from .engine import Engine
+    from .loader import parse_loader_config
+    from .server import EngineServer, run_until_signal
+
+    loader_config = parse_loader_config(args.model_loader_extra_config)
+    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
+    # Listen before loading so /health answers 503 while weights load (readiness probes).
+    server = EngineServer((args.host, args.port), None, args.model)
+    log.info("Serving on http://%s:%d (health 503 until weights are loaded)", args.host, args.port)
+    engine = Engine(cfg, args.load_format, loader_config, args.max_model_len)
+    server.engine, server.ready = engine, True
+    log.info("Engine ready: POST http://%s:%d/v1/completions", args.host, args.port)
+    run_until_signal(server, on_stop=getattr(engine, "close", None))
+    log.info("Engine stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level)
+    from .errors import UserError
+
+    try:
+        if args.command == "make-checkpoint":
+            return cmd_make_checkpoint(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "preload":
+            from .launcher import run_preload
+
+            return run_preload(args)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args)
+    except UserError as e:
+        log.error("%s", e)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

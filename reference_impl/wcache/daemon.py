@@ -1,0 +1,235 @@
+"""One weight-cache daemon rank: load once, pack into an arena, then serve engines over a Unix socket.
+
+Started by the launcher as a fresh interpreter (``python -m wcache.daemon``), never forked: forking
+after torch has run a parallel op can deadlock the child. The launcher passes a JSON spec in the
+environment and a pipe descriptor on which the rank reports, as one JSON line, that it serves.
+
+Order matters and mirrors upstream: load and post-process, pack, free the transients, and only
+then take the lock and bind the socket, so an engine never sees a socket of a daemon that is not
+ready. Connections are served on threads; every request is bounded in size and time, and a bad
+frame gets an error reply and a closed connection while the daemon keeps serving others.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import logs
+from .config import EngineConfig, Ranks
+from .device import device_identity
+from .disk import load_processed
+from .errors import REASONS, UnsupportedQuantForIPCError, UserError
+from .fingerprint import cache_key, checkpoint_digest, mismatched_fields
+from .protocol import ProtocolError, close_fds, recv_frame, reply, send_frame
+from .sockets import DaemonLock, prepare_socket_dir, socket_name
+from .transport import CpuArena
+
+log = logging.getLogger("wcache.daemon")
+
+MAX_CLIENTS = 256
+REQUEST_TIMEOUT_S = 30.0
+MODES = ("zero_copy", "copy")
+
+
+class RankDaemon:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        ranks = Ranks(**spec["ranks"])
+        self.cfg = EngineConfig.build(spec["model"], spec["dtype"], spec["quantization"], spec["device"],
+                                      ranks=ranks, revision=spec.get("revision"))
+        self.rank = ranks.global_rank
+        self.device_id = device_identity(self.cfg.device, ranks.local_rank)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.released = False
+        self.leases: set[int] = set()  # ids of connections holding a zero_copy mapping
+        self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.arena = None
+
+    # -- startup -----------------------------------------------------------------------------
+    def load(self) -> None:
+        if not self.cfg.quant.supports_pre_processed_weights:
+            raise UnsupportedQuantForIPCError(self.cfg.quant.name)
+        t0 = time.perf_counter()
+        digest, stats = checkpoint_digest(self.cfg.model)
+        self.key = cache_key(self.cfg, digest)
+        weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
+        self.arena = CpuArena(weights)
+        self.aliases, self.attrs = weights.aliases, weights.attrs
+        self.weights_bytes = weights.nbytes
+        del weights
+        gc.collect()  # the post-processed copies are in the arena now; free the transients
+        log.info("Rank %d loaded %d tensors (%.1f MiB) into a %s arena in %.2f s (hashed %d of %d files)",
+                 self.rank, len(self.arena.layout.entries), self.weights_bytes / 2**20, self.arena.kind,
+                 time.perf_counter() - t0, stats["files_hashed"], stats["files"])
+
+    def bind(self) -> socket.socket:
+        if self.spec.get("socket_path"):
+            path = Path(self.spec["socket_path"])
+            prepare_socket_dir(path.parent, create=True)
+        else:
+            d = prepare_socket_dir(self.spec.get("socket_dir"), create=True)
+            path = d / socket_name(self.device_id, self.spec.get("draft", False))
+        self.path = path
+        self.flock = DaemonLock(path)
+        self.flock.acquire()
+        if os.path.lexists(path):
+            # We own the lock, so whatever is here belongs to a daemon that died: replace it.
+            log.warning("Removing stale socket %s left by a previous daemon", path)
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        self.inode = os.lstat(path).st_ino
+        sock.listen(128)
+        sock.settimeout(0.2)
+        return sock
+
+    # -- serving -----------------------------------------------------------------------------
+    def serve(self, listener: socket.socket) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self.stop.is_set():
+                    break
+                log.warning("accept failed: %s", e)
+                continue
+            if not self.clients.acquire(blocking=False):
+                self._refuse(conn, "busy", f"the daemon is serving {MAX_CLIENTS} connections; retry shortly")
+                continue
+            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
+
+    def _refuse(self, conn: socket.socket, error: str, message: str) -> None:
+        try:
+            conn.settimeout(1.0)
+            send_frame(conn, reply(False, error=error, message=message))
+        except OSError:
+            pass
+        conn.close()
+
+    def _client(self, conn: socket.socket) -> None:
+        cid = id(conn)
+        try:
+            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                msg = REASONS["rejected"].format(uid=uid)
+                log.warning("%s (pid %d)", msg, pid)
+                self._refuse(conn, "rejected", msg)
+                return
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            while not self.stop.is_set():
+                try:
+                    req, fds = recv_frame(conn)
+                    close_fds(fds)  # clients have no reason to send descriptors; never keep one
+                except EOFError:
+                    return
+                except ProtocolError as e:
+                    log.warning("Bad frame from pid %d: %s", pid, e)
+                    send_frame(conn, reply(False, error="protocol", message=str(e)))
+                    return
+                answer, fds = self._handle(cid, req)
+                send_frame(conn, answer, fds)
+                if not answer["ok"] and answer.get("error") == "protocol":
+                    return
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            with self.lock:
+                self.leases.discard(cid)
+            conn.close()
+            self.clients.release()
+
+    def _handle(self, cid: int, req: dict) -> tuple[dict, list[int]]:
+        op = req.get("op")
+        if op == "get_state":
+            key, mode = req.get("key"), req.get("mode", "zero_copy")
+            if not isinstance(key, dict) or mode not in MODES:
+                return reply(False, error="protocol", message="get_state needs a key object and a mode of "
+                             f"{list(MODES)}"), []
+            with self.lock:
+                if self.released:
+                    return reply(False, error="released", message=REASONS["released"]), []
+                fields = mismatched_fields(self.key, key)
+                if fields:
+                    return reply(False, error="mismatch", fields=fields,
+                                 message=REASONS["mismatch"].format(fields=fields)), []
+                if mode == "zero_copy":
+                    self.leases.add(cid)
+                return reply(True, arena=self.arena.descriptor(), tensors=self.arena.layout.entries,
+                             aliases=self.aliases, attrs=self.attrs, device_id=self.device_id,
+                             weights_bytes=self.weights_bytes), self.arena.fds()
+        if op == "get_memory":
+            with self.lock:
+                held = 0 if self.released else self.weights_bytes
+                return reply(True, weights_bytes=held, arena_bytes=0 if self.released else self.arena.size,
+                             released=self.released, zero_copy_engines=len(self.leases)), []
+        if op == "release":
+            with self.lock:
+                others = len(self.leases - {cid})
+                if others:
+                    return reply(False, error="in_use", message=f"release refused: {others} engine(s) still "
+                                 "map the weights in zero_copy mode"), []
+                if not self.released:
+                    self.released = True
+                    self.arena.close()
+                    log.info("Released the cached weights at an engine's request (copy mode)")
+                return reply(True, released=True), []
+        return reply(False, error="protocol", message=f"unknown request {str(op)[:64]!r}; "
+                     "expected get_state, get_memory or release"), []
+
+    def shutdown(self, listener: socket.socket) -> None:
+        listener.close()
+        try:
+            if os.lstat(self.path).st_ino == self.inode:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        self.flock.release()
+        if self.arena is not None:
+            self.arena.close()
+        log.info("Rank %d stopped; socket %s removed", self.rank, self.path)
+
+
+def main() -> int:
+    spec = json.loads(os.environ["WCACHE_RANK_SPEC"])
+    logs.setup(spec.get("log_level", "INFO"))
+    ready = os.fdopen(spec["ready_fd"], "w")
+    daemon = RankDaemon(spec)
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: daemon.stop.set())
+    try:
+        daemon.load()
+        listener = daemon.bind()
+    except UserError as e:
+        log.error("%s", e)
+        return 2
+    ready.write(json.dumps({"rank": daemon.rank, "socket": str(daemon.path), "device_id": daemon.device_id,
+                            "weights_bytes": daemon.weights_bytes}) + "\n")
+    ready.close()
+    log.info("Rank %d serving on %s", daemon.rank, daemon.path)
+    try:
+        daemon.serve(listener)
+    finally:
+        daemon.shutdown(listener)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

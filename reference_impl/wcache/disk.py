@@ -1,0 +1,42 @@
+"""The engine's ordinary load path: read safetensors shards, then post-process for this rank."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from . import checkpoint
+from .config import EngineConfig
+from .postprocess import ProcessedWeights, needed_checkpoint_names, postprocess
+
+log = logging.getLogger("wcache.disk")
+
+
+def read_checkpoint(cfg: EngineConfig, show_progress: bool = True) -> dict[str, torch.Tensor]:
+    wanted = set(needed_checkpoint_names(cfg.shape))
+    device = str(cfg.torch_device)
+    raw: dict[str, torch.Tensor] = {}
+    files = checkpoint.shard_files(cfg.model)
+    for path in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=not show_progress):
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for name in f.keys():
+                if name in wanted:
+                    raw[name] = f.get_tensor(name)
+    missing = sorted(wanted - set(raw))
+    if missing:
+        raise checkpoint.CheckpointError(f"Checkpoint {cfg.model} lacks tensors: {missing[:5]}")
+    return raw
+
+
+def load_processed(cfg: EngineConfig, show_progress: bool = True) -> ProcessedWeights:
+    t0 = time.perf_counter()
+    raw = read_checkpoint(cfg, show_progress)
+    weights = postprocess(raw, cfg.shape, cfg.quant, cfg.dtype, tp_rank=cfg.ranks.tp_rank)
+    if cfg.device == "cuda":
+        torch.cuda.synchronize(cfg.torch_device)
+    log.debug("read and post-processed %d tensors in %.3f s", len(weights.tensors), time.perf_counter() - t0)
+    return weights

@@ -1,0 +1,92 @@
+"""Every user-facing failure, each with its own message (upstream's text wherever one exists).
+
+The guide's troubleshooting table quotes these templates; tests trigger each one and compare.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A failure the user can fix; the CLI prints the message alone and exits with status 2."""
+
+
+class LoaderConfigError(UserError):
+    pass
+
+
+class PreloadConfigError(UserError):
+    pass
+
+
+class UnsupportedQuantForIPCError(UserError):
+    TEMPLATE = ("UnsupportedQuantForIPCError: quantization method '{method}' does not support pre-processed "
+                "weights, so the weight cache cannot serve it; use --load-format safetensors")
+
+    def __init__(self, method: str):
+        super().__init__(self.TEMPLATE.format(method=method))
+
+
+class UnsupportedPlatformForIPCError(UserError):
+    TEMPLATE = "UnsupportedPlatformForIPCError: the weight cache needs Linux (memfd or CUDA IPC); this is {platform}"
+
+    def __init__(self, platform: str):
+        super().__init__(self.TEMPLATE.format(platform=platform))
+
+
+class SocketSecurityError(UserError):
+    SYMLINK_DIR = "Refusing to use symlinked socket directory {dir}"
+    NOT_OWNED_DIR = "Socket directory {dir} is not owned by the current user"
+    OPEN_DIR = "Socket directory {dir} is group/world accessible"
+
+
+class DaemonLockError(UserError):
+    TEMPLATE = "Another weight cache daemon already owns {path}"
+
+    def __init__(self, path):
+        super().__init__(self.TEMPLATE.format(path=path))
+
+
+class WeightCacheTimeoutError(UserError):
+    TEMPLATE = "Weight cache daemon did not become ready within {timeout}s: {reason}"
+
+    def __init__(self, timeout: float, reason: str):
+        super().__init__(self.TEMPLATE.format(timeout=timeout, reason=reason))
+
+
+class WeightCacheError(UserError):
+    """The cache answered but cannot be used, and fallback is off."""
+
+
+class ExternalWeightsExceedBudgetError(UserError):
+    pass
+
+
+# Reasons the weight cache is unusable. Each cause has its own kind and text; with fallback on the
+# engine logs FALLBACK.format(reason=...) and loads from disk.
+FALLBACK = "Weight cache unusable ({reason}); falling back to disk loading"
+WAITING = "Waiting up to {timeout}s for the weight cache daemon to start"
+MAPPED = "Mapped {count} tensors from the weight cache daemon ({mode} mode)"
+
+REASONS = {
+    "no_socket": "no daemon socket at {path}",
+    "refused": "Cannot connect to weight cache daemon at {path}: {error}",
+    "unsafe_socket": "Weight cache socket {path} is unavailable: {error}",
+    "rejected": "Rejecting weight cache connection from uid {uid}",
+    "mismatch": "WeightCacheKey mismatch on fields: {fields}",
+    "released": "Weights were released",
+    "timeout": "no reply from the weight cache daemon at {path} within {timeout}s",
+    "protocol": "protocol error from the weight cache daemon: {detail}",
+    "device": "Daemon GPU {daemon} != engine GPU {engine}; check the socket path / GPU mapping",
+}
+
+# Kinds worth waiting for when fallback is off: the daemon may still be starting.
+RETRYABLE = {"no_socket", "refused"}
+
+
+class CacheUnusable(Exception):
+    """Why one attempt to get weights from the daemon failed (internal; mapped to logs/errors)."""
+
+    def __init__(self, kind: str, **fields):
+        self.kind = kind
+        self.fields = fields
+        super().__init__(REASONS[kind].format(**fields))

@@ -1,0 +1,113 @@
+"""The cache key: everything that must be equal for a daemon's weights to be this engine's weights.
+
+Upstream hashes the safetensors file names and JSON headers only, so a checkpoint whose tensor
+*values* changed with the same shapes (a zeroed norm, one flipped byte) was served silently. Here
+the checkpoint field is a digest of every byte of every shard (names without directories, so the
+same weights in another directory still match). Hashing is one pass over the files; to keep a
+restart cheap, each file's digest is remembered under the cache root together with the file's
+identity (device, inode, size, mtime and ctime in nanoseconds). Any write to a file changes its
+ctime, which users cannot set, so a remembered digest is only reused for an untouched file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import __version__, checkpoint
+from .config import EngineConfig
+from .device import device_arch
+from .protocol import PROTOCOL_VERSION
+
+KEY_FIELDS = (
+    "checkpoint", "architecture", "tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dp_rank",
+    "dtype", "quantization", "quantization_config", "revision", "version", "protocol_version",
+    "device_kind", "device_arch",
+)
+CHUNK = 16 << 20
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("WCACHE_CACHE_ROOT") or Path.home() / ".cache" / "wcache")
+
+
+def _file_identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])  # releases the GIL: files hash in parallel threads
+    return h.hexdigest()
+
+
+def _memo_path(model_dir: Path) -> Path:
+    tag = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:24]
+    return cache_root() / "fingerprints" / f"{tag}.json"
+
+
+def checkpoint_digest(model_dir: str | os.PathLike) -> tuple[str, dict]:
+    """Digest over (file name, size, content hash) of every shard, plus stats of how it was made."""
+    model_dir = Path(model_dir)
+    files = checkpoint.shard_files(model_dir) + [model_dir / "config.json"]
+    memo_file = _memo_path(model_dir)
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    stats = {p.name: os.stat(p) for p in files}
+    fresh = {n for n, st in stats.items() if memo.get(n, {}).get("identity") != _file_identity(st)}
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        hashed = dict(zip(sorted(fresh), pool.map(_hash_file, [model_dir / n for n in sorted(fresh)])))
+    for n in fresh:
+        memo[n] = {"identity": _file_identity(stats[n]), "blake2b": hashed[n]}
+    if fresh:
+        _atomic_write_json(memo_file, {n: memo[n] for n in stats})
+    h = hashlib.sha256()
+    for n in sorted(stats):
+        h.update(f"{n}\0{stats[n].st_size}\0{memo[n]['blake2b']}\n".encode())
+    hashed_bytes = sum(stats[n].st_size for n in fresh)
+    return h.hexdigest(), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes}
+
+
+def _atomic_write_json(path: Path, obj) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache root only costs the next start a re-hash
+
+
+def cache_key(cfg: EngineConfig, digest: str | None = None) -> dict:
+    r = cfg.ranks
+    return {
+        "checkpoint": digest or checkpoint_digest(cfg.model)[0],
+        "architecture": ",".join(cfg.hf.get("architectures", [])) or cfg.hf.get("model_type", ""),
+        "tp_size": r.tp_size, "tp_rank": r.tp_rank,
+        "pp_size": r.pp_size, "pp_rank": r.pp_rank,
+        "dp_size": r.dp_size, "dp_rank": r.dp_rank,
+        "dtype": cfg.dtype_name,
+        "quantization": cfg.quant.name,
+        "quantization_config": cfg.quant.config_hash(),
+        "revision": cfg.revision,
+        "version": __version__,
+        "protocol_version": PROTOCOL_VERSION,
+        "device_kind": cfg.device,
+        "device_arch": device_arch(cfg.device, r.local_rank),
+    }
+
+
+def mismatched_fields(daemon_key: dict, engine_key: dict) -> list[str]:
+    names = sorted(set(daemon_key) | set(engine_key))
+    return [n for n in names if daemon_key.get(n) != engine_key.get(n)]

@@ -1,0 +1,173 @@
+"""`wcache preload`: plan the local ranks, start one daemon process per rank, report readiness.
+
+The launcher itself holds no weights. It starts each rank as a fresh interpreter, waits for every
+rank's "serving" line on a private pipe, logs ``Weight cache daemon READY`` and answers
+``GET /health`` (200 only while every rank serves). A rank that dies during startup takes the
+group down with its exit code; SIGINT/SIGTERM stops every rank, and each removes its socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .config import EngineConfig, Ranks
+from .errors import PreloadConfigError, UnsupportedQuantForIPCError
+from .sockets import prepare_socket_dir
+
+log = logging.getLogger("wcache.preload")
+
+STARTUP_FAILED = "Weight cache daemon rank(s) exited during startup (exitcodes={codes})"
+READY = "Weight cache daemon READY"
+
+
+def add_preload_args(p) -> None:
+    g = p.add_argument_group("weight cache daemon")
+    g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
+                   help="directory for the daemon sockets; engines must use the same (default: $TMPDIR/wcache_<uid>)")
+    g.add_argument("--weight-cache-health-port", type=int, default=None, metavar="PORT",
+                   help="serve GET /health on this port: 200 once every rank serves, else 503 (default: off)")
+    g.add_argument("--weight-cache-health-host", default="0.0.0.0", metavar="HOST",
+                   help="address for the health endpoint")
+
+
+class Health:
+    """What /health reports: 200 only while every rank is serving."""
+
+    def __init__(self):
+        self.ready = False
+        self.failed = False
+
+    @property
+    def ok(self) -> bool:
+        return self.ready and not self.failed
+
+
+def start_health_server(host: str, port: int, health: Health) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path != "/health":
+                self.send_error(404)
+                return
+            status = 200 if health.ok else 503
+            body = json.dumps({"status": "ready" if health.ok else ("failed" if health.failed else "starting")})
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    log.info("Health endpoint on http://%s:%d/health", host, port)
+    return server
+
+
+def plan_local_ranks(args) -> list[Ranks]:
+    return [Ranks()]
+
+
+class RankProcess:
+    def __init__(self, ranks: Ranks, spec: dict):
+        self.ranks = ranks
+        r, w = os.pipe()
+        env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ranks": asdict(ranks), "ready_fd": w}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon"], env=env, pass_fds=(w,))
+        os.close(w)
+        self.ready_pipe = os.fdopen(r, "r")
+        self.info: dict | None = None
+
+
+def run_preload(args) -> int:
+    if args.load_format == "ipc_cache":
+        raise PreloadConfigError("--load-format ipc_cache cannot be used with `wcache preload`: "
+                                 "the daemon itself must load the weights from disk")
+    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
+    if not cfg.quant.supports_pre_processed_weights:
+        raise UnsupportedQuantForIPCError(cfg.quant.name)
+    prepare_socket_dir(args.weight_cache_socket_dir, create=True)
+
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda signum, _f: stop.set())
+    health = Health()
+    server = None
+    if args.weight_cache_health_port is not None:
+        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health)
+
+    spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
+            "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
+            "log_level": logging.getLevelName(logging.getLogger().level)}
+    t0 = time.perf_counter()
+    ranks = [RankProcess(r, spec) for r in plan_local_ranks(args)]
+    try:
+        code = _await_ready(ranks, stop)
+        if code is not None:
+            return code
+        if stop.is_set():
+            return 0
+        health.ready = True
+        sockets = ", ".join(r.info["socket"] for r in ranks)
+        log.info("%s (%d rank(s) in %.1f s): %s", READY, len(ranks), time.perf_counter() - t0, sockets)
+        while not stop.wait(0.2):
+            dead = [r for r in ranks if r.proc.poll() is not None]
+            if dead and not health.failed:
+                health.failed = True
+                log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
+                          {r.ranks.global_rank: r.proc.returncode for r in dead})
+        return 0
+    finally:
+        _stop_all(ranks)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _await_ready(ranks: list[RankProcess], stop: threading.Event) -> int | None:
+    """None when every rank serves (or a stop was asked); otherwise the exit code to leave with."""
+    sel = selectors.DefaultSelector()
+    for r in ranks:
+        sel.register(r.ready_pipe, selectors.EVENT_READ, r)
+    pending = set(ranks)
+    while pending and not stop.is_set():
+        for key, _ in sel.select(timeout=0.2):
+            r = key.data
+            line = r.ready_pipe.readline()
+            sel.unregister(r.ready_pipe)
+            if line:
+                r.info = json.loads(line)
+                pending.discard(r)
+        exited = {r.ranks.global_rank: r.proc.poll() for r in ranks if r.proc.poll() is not None}
+        if exited:
+            log.error(STARTUP_FAILED.format(codes=exited))
+            first = next(iter(exited.values()))
+            return first if first != 0 else 1
+    sel.close()
+    return None
+
+
+def _stop_all(ranks: list[RankProcess], grace_s: float = 30.0) -> None:
+    for r in ranks:
+        if r.proc.poll() is None:
+            r.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait()
+        r.ready_pipe.close()

@@ -1,0 +1,277 @@
+"""A compact Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, KV cache, greedy.
+
+The module is built on the meta device (no weight memory) and then *bound* to tensors that came
+from disk or from the weight-cache daemon; `bind_weights` checks every tensor against the meta
+placeholder's shape and dtype. Parameter names are the post-processed ones (fused qkv and gate_up,
+optional int8 ``qweight``/``scale``), which is exactly what the daemon caches.
+
+Tensor parallelism slices heads and MLP columns (see postprocess.py); the two row-parallel
+projections (attention output, MLP down) call ``self.all_reduce``, which is the identity unless a
+multi-rank engine installs a collective. Pipeline stages hold a contiguous range of layers, the
+first stage the embedding and the last one the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .quant import QuantMethod
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model's dimensions plus which part of it this rank holds."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_positions: int
+    tie_embeddings: bool
+    tp_size: int = 1
+    pp_size: int = 1
+    pp_rank: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: dict, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0) -> "ModelShape":
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            max_positions=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tp_size=tp_size,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def layer_range(self) -> range:
+        """Layers of this pipeline stage: an even split, earlier stages taking the remainder."""
+        base, extra = divmod(self.num_layers, self.pp_size)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return range(start, start + base + (1 if self.pp_rank < extra else 0))
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class Linear(nn.Module):
+    """A bias-free projection whose stored form is chosen by the quantization method."""
+
+    def __init__(self, in_features: int, out_features: int, quant: QuantMethod, dtype: torch.dtype):
+        super().__init__()
+        for name, (shape, buf_dtype) in quant.stored_shapes(out_features, in_features, dtype).items():
+            self.register_buffer(name, torch.empty(shape, dtype=buf_dtype))
+        self.quant = quant
+        self.compute_dtype = dtype
+        self.impl = "linear"  # the autotuner may choose another implementation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.quant.dequantize(self._buffers, self.compute_dtype)
+        if self.impl == "matmul_t":
+            return torch.matmul(x, w.t())
+        return F.linear(x, w)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; the Hugging Face "rotate half" convention.
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape, quant: QuantMethod, dtype: torch.dtype):
+        super().__init__()
+        self.heads = s.num_heads // s.tp_size
+        self.kv_heads = s.num_kv_heads // s.tp_size
+        self.head_dim = s.head_dim
+        self.qkv = Linear(s.hidden_size, (self.heads + 2 * self.kv_heads) * s.head_dim, quant, dtype)
+        self.o = Linear(self.heads * s.head_dim, s.hidden_size, quant, dtype)
+        self.all_reduce = _identity
+
+    def forward(self, x, cos, sin, cache_k, cache_v, start: int) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(T, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.kv_heads, self.head_dim), cos, sin)
+        cache_k[start : start + T] = k
+        cache_v[start : start + T] = v.view(T, self.kv_heads, self.head_dim)
+        keys = cache_k[: start + T].repeat_interleave(self.heads // self.kv_heads, dim=1)
+        values = cache_v[: start + T].repeat_interleave(self.heads // self.kv_heads, dim=1)
+        # Query i (absolute position start+i) sees keys 0..start+i.
+        mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
+        )
+        return self.all_reduce(self.o(out.transpose(0, 1).reshape(T, self.heads * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape, quant: QuantMethod, dtype: torch.dtype):
+        super().__init__()
+        self.inter = s.intermediate_size // s.tp_size
+        self.gate_up = Linear(s.hidden_size, 2 * self.inter, quant, dtype)
+        self.down = Linear(self.inter, s.hidden_size, quant, dtype)
+        self.all_reduce = _identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.all_reduce(self.down(F.silu(gate) * up))
+
+
+class Block(nn.Module):
+    def __init__(self, s: ModelShape, quant: QuantMethod, dtype: torch.dtype):
+        super().__init__()
+        self.attn_norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.attn = Attention(s, quant, dtype)
+        self.mlp_norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.mlp = MLP(s, quant, dtype)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, start: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, s: ModelShape, quant: QuantMethod, dtype: torch.dtype):
+        super().__init__()
+        self.shape = s
+        self.dtype = dtype
+        if s.first_stage:
+            self.embed = nn.Module()
+            self.embed.register_buffer("weight", torch.empty(s.vocab_size, s.hidden_size, dtype=dtype))
+        # Keys are the global layer numbers, so a pipeline stage's names match the full model's.
+        self.layers = nn.ModuleDict({str(n): Block(s, quant, dtype) for n in s.layer_range})
+        if s.last_stage:
+            self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+            self.lm_head = nn.Module()
+            self.lm_head.register_buffer("weight", torch.empty(s.vocab_size, s.hidden_size, dtype=dtype))
+
+    def set_all_reduce(self, fn) -> None:
+        for block in self.layers.values():
+            block.attn.all_reduce = fn
+            block.mlp.all_reduce = fn
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buffers())).device
+
+    def new_cache(self, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.shape
+        kv = s.num_kv_heads // s.tp_size
+        return [
+            (
+                torch.zeros(max_len, kv, s.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(max_len, kv, s.head_dim, dtype=self.dtype, device=self.device),
+            )
+            for _ in s.layer_range
+        ]
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) in; hidden states or, on the
+        last stage, the logits of the final position out."""
+        if self.shape.first_stage:
+            x = F.embedding(x, self.embed.weight)
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        cos, sin = rope_cos_sin(positions, self.shape.head_dim, self.shape.rope_theta)
+        for block, (ck, cv) in zip(self.layers.values(), cache):
+            x = block(x, cos, sin, ck, cv, start)
+        if not self.shape.last_stage:
+            return x
+        return F.linear(self.norm(x[-1:]), self.lm_head.weight)[0].float()
+
+
+def build_meta_model(s: ModelShape, quant: QuantMethod, dtype: torch.dtype) -> Llama:
+    """The model's structure without weight memory: every buffer is a meta placeholder."""
+    with torch.device("meta"):
+        return Llama(s, quant, dtype)
+
+
+class BindError(Exception):
+    pass
+
+
+def bind_weights(model: Llama, tensors: dict[str, torch.Tensor]) -> Llama:
+    """Point every placeholder buffer at a real tensor (no copy), checking shape and dtype."""
+    placeholders = dict(model.named_buffers())
+    missing = sorted(set(placeholders) - set(tensors))
+    unexpected = sorted(set(tensors) - set(placeholders))
+    if missing or unexpected:
+        raise BindError(f"Weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in tensors.items():
+        ph = placeholders[name]
+        if tuple(t.shape) != tuple(ph.shape) or t.dtype != ph.dtype:
+            raise BindError(
+                f"Tensor {name} is {tuple(t.shape)} {t.dtype}, the model expects {tuple(ph.shape)} {ph.dtype}"
+            )
+        owner_name, _, leaf = name.rpartition(".")
+        model.get_submodule(owner_name)._buffers[leaf] = t
+    return model
+
+
+def generate(model: Llama, prompt_ids: list[int], max_tokens: int, eos_id: int | None = None) -> list[int]:
+    """Greedy decoding on a single-stage model (TP ranks run this in lockstep)."""
+    cache = model.new_cache(len(prompt_ids) + max_tokens)
+    tokens = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
+    out: list[int] = []
+    start = 0
+    for _ in range(max_tokens):
+        logits = model(tokens, start, cache)
+        start += tokens.shape[0]
+        nxt = int(torch.argmax(logits))
+        out.append(nxt)
+        if eos_id is not None and nxt == eos_id:
+            break
+        tokens = torch.tensor([nxt], dtype=torch.long, device=model.device)
+    return out

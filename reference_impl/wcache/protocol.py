@@ -1,0 +1,100 @@
+"""Frames on the daemon's Unix socket: an 8-byte big-endian length, then a UTF-8 JSON object.
+
+File descriptors (the CPU arena) travel beside a frame as SCM_RIGHTS ancillary data. There is no
+pickle anywhere: a peer that can connect can send only data, never code. Every reader bounds the
+frame size and the number of descriptors, and closes any descriptor it did not hand on.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20  # a 10,000-tensor manifest is about 1.5 MB
+MAX_FDS = 8
+_HEADER = struct.Struct(">Q")
+REQUESTS = ("get_state", "get_memory", "release")
+
+
+class ProtocolError(Exception):
+    pass
+
+
+def encode(obj: dict) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds the maximum of {MAX_FRAME_BYTES}")
+    return _HEADER.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
+    data = encode(obj)
+    if fds:
+        # Descriptors ride on the first byte(s); the rest of the frame follows normally.
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    cmsg_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    while len(buf) < n:
+        chunk, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(f"more than {MAX_FDS} file descriptors attached to a frame")
+        if not chunk:
+            if buf or n == _HEADER.size and fds:
+                raise ProtocolError(f"connection closed after {len(buf)} of {n} bytes")
+            raise EOFError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> tuple[dict, list[int]]:
+    """One frame and the descriptors that came with it. On any error the descriptors are closed."""
+    fds: list[int] = []
+    try:
+        (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, fds))
+        if length > max_bytes:
+            raise ProtocolError(f"frame of {length} bytes exceeds the maximum of {max_bytes}")
+        body = _recv_exact(sock, length, fds)
+        try:
+            obj = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProtocolError(f"frame is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"frame must be a JSON object, got {type(obj).__name__}")
+        version = obj.get("v")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+        return obj, fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def request(op: str, **fields) -> dict:
+    return {"v": PROTOCOL_VERSION, "op": op, **fields}
+
+
+def reply(ok: bool, **fields) -> dict:
+    return {"v": PROTOCOL_VERSION, "ok": ok, **fields}

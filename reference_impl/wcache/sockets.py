@@ -1,0 +1,88 @@
+"""Where the daemon's socket lives, and the checks both sides make before trusting it.
+
+Default directory: ``$TMPDIR/wcache_<uid>``, mode 0700, created by whichever side comes first.
+Symlinked or foreign-owned directories and sockets are refused on both sides; the default
+directory is also refused when group or world can enter it. The daemon holds an exclusive flock
+on ``<socket>.lock`` for its lifetime, so a second daemon for the same device fails fast and a
+crashed daemon's stale socket is replaced by the next owner of the lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .errors import DaemonLockError, SocketSecurityError
+
+SOCKET_PREFIX = "wcache_weight_cache_"
+
+
+def default_socket_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"wcache_{os.getuid()}"
+
+
+def prepare_socket_dir(explicit: str | os.PathLike | None, create: bool = True) -> Path:
+    d = Path(explicit) if explicit else default_socket_dir()
+    if create and not os.path.lexists(d):
+        try:
+            os.makedirs(d, mode=0o700)
+        except FileExistsError:
+            pass
+    if not os.path.lexists(d):
+        return d  # the engine may look before the daemon made it; connecting will say so
+    st = os.lstat(d)
+    if stat.S_ISLNK(st.st_mode):
+        raise SocketSecurityError(SocketSecurityError.SYMLINK_DIR.format(dir=d))
+    if st.st_uid != os.getuid():
+        raise SocketSecurityError(SocketSecurityError.NOT_OWNED_DIR.format(dir=d))
+    if not explicit and st.st_mode & 0o077:
+        raise SocketSecurityError(SocketSecurityError.OPEN_DIR.format(dir=d))
+    return d
+
+
+def socket_name(device_id: str, draft: bool = False) -> str:
+    return f"{SOCKET_PREFIX}{device_id}{'_draft' if draft else ''}.sock"
+
+
+def check_socket_file(path: Path) -> None:
+    """Raise OSError describing why ``path`` is not a socket we may trust."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(f"{path} is a symlink")
+    if st.st_uid != os.getuid():
+        raise OSError(f"{path} is owned by uid {st.st_uid}, not {os.getuid()}")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(f"{path} is not a socket")
+
+
+class DaemonLock:
+    """Exclusive, non-blocking flock on ``<socket>.lock``, held until the daemon exits."""
+
+    def __init__(self, socket_path: Path):
+        self.path = Path(str(socket_path) + ".lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError as e:
+            raise DaemonLockError(self.path) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DaemonLockError(str(socket_path_of(self.path))) from None
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def socket_path_of(lock_path: Path) -> Path:
+    return Path(str(lock_path).removesuffix(".lock"))
