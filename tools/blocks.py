@@ -71,7 +71,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -208,7 +207,7 @@ def parse_marker(text: str, where: str, line: int) -> Marker:
                     f"{where}: unknown marker word {tok!r}; known: {', '.join(MARKERS)}"
                 )
             words.append(tok)
-    if not words:
+    if not words and not attrs:
         raise MarkerError(f"{where}: block marker names no marker ({', '.join(MARKERS)})")
     marker = Marker(tuple(words), attrs, line)
     for w in words:
@@ -1006,7 +1005,7 @@ class PageRunner:
         for d in (self.cwd, self.tmp, self.logs, self.state, self.dir / "py"):
             d.mkdir()
         path = [str(p) for p in self.extra_path] + [
-            str(self.root / ".venv" / "bin"),
+            str(ROOT / ".venv" / "bin"),
             str(Path(sys.executable).parent),
             os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
         ]
@@ -1218,7 +1217,7 @@ class PageRunner:
             module = eval_example.run_print_check(example, module_globals=dict(self.py_globals))
             self.py_globals.update({k: v for k, v in module.items() if not k.startswith("__")})
         except (Exception, SystemExit, pytest.fail.Exception) as e:  # reported outside `except`
-            error = "".join(traceback.format_exception(e, limit=-8)).rstrip()
+            error = _describe_exception(e)
         finally:
             os.chdir(saved_cwd)
             os.environ.clear()
@@ -1228,6 +1227,28 @@ class PageRunner:
                 sys.modules["__main__"] = saved_main
         if error is not None:
             self._fail(block, error)
+
+
+def _describe_exception(exc: BaseException) -> str:
+    """Exception type, message and the last frames, without the traceback module: pytest-examples
+    re-points tracebacks at the markdown lines with synthetic frames that make
+    traceback.format_exception raise RuntimeError on Python 3.11."""
+    try:
+        from _pytest.outcomes import Failed
+
+        if isinstance(exc, Failed):
+            return str(exc.msg if hasattr(exc, "msg") else exc)
+    except ImportError:  # pragma: no cover
+        pass
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        try:
+            frames.append(f"  {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
+        except Exception:  # noqa: BLE001 - a synthetic frame; keep what we can
+            frames.append("  <frame>")
+        tb = tb.tb_next
+    return "Traceback (last frames):\n" + "\n".join(frames[-6:]) + f"\n{type(exc).__name__}: {exc}"
 
 
 def run_page(page: Path | str, request: Any = None, **kwargs: Any) -> None:

@@ -1,3 +1,179 @@
-"""placeholder"""
-def add_bench_args(p):
-    pass
+"""`wcache bench`: time "weights ready" for disk, zero_copy and copy in one run, plus the key's cost.
+
+"Weights ready" is what an engine restart waits for before it can bind its model: for disk, read
+the shards and post-process; for the cache, compute the key, ask the daemon and bind views (copy
+mode also clones). The bench process plays the engine; a real `wcache preload` daemon runs beside
+it with a private socket directory. Ratios come from figures measured in this one run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .config import EngineConfig
+from .engine import load_weights
+from .fingerprint import checkpoint_digest
+from .loader import LoaderConfig
+
+log = logging.getLogger("wcache.bench")
+
+
+def add_bench_args(p) -> None:
+    p.add_argument("--model", required=True, help="model directory to time")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    p.add_argument("--output", default=None, help="also write the JSON result to this file")
+
+
+def environment(device: str) -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+           "wcache": __version__, "device": device, "cpu_count": os.cpu_count()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            env["driver"] = "unknown"
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_load(cfg, load_format, lc=None) -> tuple[float, object]:
+    _sync(cfg.device)
+    t0 = time.perf_counter()
+    weights, report = load_weights(cfg, load_format, lc)
+    _sync(cfg.device)
+    elapsed = time.perf_counter() - t0
+    if report.fallback_reason:
+        raise RuntimeError(f"bench expected the weight cache but the loader fell back: {report.fallback_reason}")
+    return elapsed, (weights, report)
+
+
+class DaemonUnderTest:
+    """A real `wcache preload` in a private socket directory, for the length of a measurement."""
+
+    def __init__(self, model: str, device: str, dtype: str, socket_dir: Path):
+        self.socket_dir = socket_dir
+        cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "WARNING", "preload", "--model", model,
+               "--device", device, "--dtype", dtype, "--weight-cache-socket-dir", str(socket_dir)]
+        self.log = open(socket_dir.parent / "daemon.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 1800
+        while not any(socket_dir.glob("*.sock")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daemon failed to start; see {self.log.name}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def run_bench(args) -> int:
+    cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
+    env = environment(cfg.device)
+    n = max(1, args.repeat)
+    work = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
+    sockets = work / "sockets"
+    sockets.mkdir(mode=0o700)
+    os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")  # a cold fingerprint memo for this run
+
+    # The checkpoint key: first sight of this path hashes every byte; a restart reuses the memo.
+    t0 = time.perf_counter()
+    _, first_stats = checkpoint_digest(cfg.model)
+    key_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    checkpoint_digest(cfg.model)
+    key_cached = time.perf_counter() - t0
+
+    load_weights(cfg, "safetensors")  # warm the page cache: the baseline is a warm-cache disk load
+    disk = [_timed_load(cfg, "safetensors")[0] for _ in range(n)]
+
+    zero_copy, copy = [], []
+    lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
+    lc_copy = LoaderConfig(mode="copy", fallback=True, socket_dir=str(sockets))
+    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets)
+    try:
+        for _ in range(n):
+            elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_zero)
+            zero_copy.append(elapsed)
+            for lease in report.keepalive:
+                lease.close()
+            tensors = report.tensors
+            del weights
+        for i in range(n):
+            # Copy mode releases the daemon's weights, so each sample gets a fresh daemon.
+            if i:
+                daemon.stop()
+                daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets)
+            elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_copy)
+            copy.append(elapsed)
+            nbytes = report.nbytes
+            del weights
+    finally:
+        daemon.stop()
+
+    med = {k: statistics.median(v) for k, v in
+           {"disk": disk, "zero_copy": zero_copy, "copy": copy}.items()}
+    result = {
+        "environment": env,
+        "model": {"path": cfg.model, "tensors": tensors, "bytes": nbytes, "dtype": cfg.dtype_name},
+        "repeat": n,
+        "seconds": {**{k: round(v, 6) for k, v in med.items()},
+                    "key_first_sight": round(key_first, 6), "key_restart": round(key_cached, 6)},
+        "samples": {"disk": disk, "zero_copy": zero_copy, "copy": copy},
+        "ratios": {
+            "disk_over_zero_copy": round(med["disk"] / med["zero_copy"], 2),
+            "disk_over_copy": round(med["disk"] / med["copy"], 2),
+            "key_restart_over_disk": round(key_cached / med["disk"], 4),
+            "key_first_sight_over_disk": round(key_first / med["disk"], 4),
+        },
+        "copy_effective_gb_per_s": round(nbytes / med["copy"] / 1e9, 2),
+        "key_first_sight_bytes_hashed": first_stats["bytes_hashed"],
+    }
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(render_table(result))
+    return 0
+
+
+def render_table(r: dict) -> str:
+    s, ratios, env = r["seconds"], r["ratios"], r["environment"]
+    lines = [
+        f"wcache bench: {r['model']['tensors']} tensors, {r['model']['bytes'] / 2**20:.1f} MiB, "
+        f"device {env['device']}, torch {env['torch']}, {env['date']}, median of {r['repeat']}",
+        f"{'source':<26}{'weights ready (s)':>20}{'vs disk':>10}",
+        f"{'disk (warm page cache)':<26}{s['disk']:>20.4f}{'1.0x':>10}",
+        f"{'ipc_cache zero_copy':<26}{s['zero_copy']:>20.4f}{ratios['disk_over_zero_copy']:>9}x",
+        f"{'ipc_cache copy':<26}{s['copy']:>20.4f}{ratios['disk_over_copy']:>9}x",
+        f"cache key: first sight {s['key_first_sight']:.4f} s ({ratios['key_first_sight_over_disk']:.1%} of disk), "
+        f"restart {s['key_restart']:.4f} s ({ratios['key_restart_over_disk']:.2%} of disk)",
+    ]
+    return "\n".join(lines)

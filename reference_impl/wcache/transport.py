@@ -106,7 +106,7 @@ def bind_views(arena: torch.Tensor, entries: list, aliases: dict) -> dict[str, t
             name, dtype, shape, stride, offset = e["name"], DTYPES[e["dtype"]], e["shape"], e["stride"], e["offset"]
         except (KeyError, TypeError) as err:
             raise ProtocolError(f"bad manifest entry {str(e)[:200]}: {err!r}") from None
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
         if (not isinstance(offset, int) or offset < 0 or offset % item
                 or any(not isinstance(x, int) or x < 0 for x in (*shape, *stride))
