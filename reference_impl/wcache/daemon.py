@@ -39,6 +39,9 @@ log = logging.getLogger("wcache.daemon")
 MAX_CLIENTS = 256
 REQUEST_TIMEOUT_S = 30.0
 MODES = ("zero_copy", "copy")
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
+SOCKET_PATH_TOO_LONG = ("Socket path {path} is {n} bytes; Unix sockets allow at most {max}. "
+                        "Use a shorter --weight-cache-socket-dir")
 
 
 class RankDaemon:
@@ -80,6 +83,8 @@ class RankDaemon:
         else:
             d = prepare_socket_dir(self.spec.get("socket_dir"), create=True)
             path = d / socket_name(self.device_id, self.spec.get("draft", False))
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise UserError(SOCKET_PATH_TOO_LONG.format(path=path, n=len(os.fsencode(path)), max=MAX_SOCKET_PATH))
         self.path = path
         self.flock = DaemonLock(path)
         self.flock.acquire()

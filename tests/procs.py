@@ -1,0 +1,129 @@
+"""Real wcache processes for tests: start, wait for readiness by log line or /health, always stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+READY = "Weight cache daemon READY"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body=None, timeout: float = 60.0) -> tuple[int, dict]:
+    """(status, JSON body) for a request; 4xx/5xx are returned, not raised."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Proc:
+    """A `wcache ...` subprocess whose combined output goes to a log file."""
+
+    def __init__(self, args: list[str], env: dict, log: Path):
+        self.args, self.log_path = args, log
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", *args], env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "readiness") -> "Proc":
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.args[0]} exited with {self.proc.returncode} before {what}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.args[0]}: no {what} within {timeout}s:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def wait_for_log(self, text: str, timeout: float = 120.0) -> "Proc":
+        return self.wait_for(lambda: text in self.log(), timeout, repr(text))
+
+    def exit_code(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+class Processes:
+    """Factory fixture: every process it starts is stopped at teardown (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, tmp: Path, env: dict):
+        self.tmp, self.env, self.started = tmp, env, []
+
+    def start(self, *args: str, name: str | None = None, env: dict | None = None) -> Proc:
+        name = name or f"{args[0]}-{len(self.started)}"
+        p = Proc(list(args), {**self.env, **(env or {})}, self.tmp / f"{name}.log")
+        self.started.append(p)
+        return p
+
+    def preload(self, model, *extra: str, ready: bool = True, **kw) -> Proc:
+        p = self.start("preload", "--model", str(model), "--device", "cpu", *extra, **kw)
+        return p.wait_for_log(READY) if ready else p
+
+    def serve(self, model, *extra: str, port: int | None = None, ready: bool = True, **kw) -> Proc:
+        port = port or free_port()
+        p = self.start("serve", str(model), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra, **kw)
+        p.port = port
+        if ready:
+            p.wait_for(lambda: _healthy(port), what="/health 200")
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.started):
+            try:
+                p.stop(timeout=30)
+            except Exception:
+                p.kill_group()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return http("GET", f"http://127.0.0.1:{port}/health", timeout=1)[0] == 200
+    except OSError:
+        return False
+
+
+def complete(port: int, prompt: str = "Hello", max_tokens: int = 8) -> dict:
+    status, body = http("POST", f"http://127.0.0.1:{port}/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+    assert status == 200, body
+    return body
