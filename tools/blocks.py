@@ -13,16 +13,17 @@ Dispatch by language
 ``bash`` / ``sh`` / ``shell``
     Run for real by ``bash`` with ``set -euo pipefail`` (and ``set -a``: assigned variables are
     exported). Blocks of one page run in order in one per-page working directory, with ``TMPDIR``
-    set to a per-page directory (so wcache's default socket dir is private to the page), and
-    ``.venv/bin`` first on ``PATH``. Exported variables and the working directory carry over to
-    the page's next block. Before running, the substitutions of ``tools/substitutions.yaml`` are
-    applied. A command line that starts with ``wcache preload`` or ``wcache serve`` (after
-    ``VAR=value`` prefixes, ``exec`` or ``nohup``; backslash continuations and multi-line quotes are
-    joined) is started in the background in its own session and awaited: ``preload`` until its
-    log shows ``Weight cache daemon READY``, ``serve`` until ``GET /health`` on 127.0.0.1 and its
-    ``--port`` (default 8000) answers 200. A command line that ends with ``&`` is started the same
-    way and tracked, but not awaited. Every process started like this is stopped (SIGTERM to its
-    process group, then SIGKILL) when the page ends, and the runner waits until it is gone.
+    set to a per-page directory (so wcache's default socket dir is private to the page),
+    ``WCACHE_CACHE_ROOT`` to a per-page directory, and ``.venv/bin`` first on ``PATH``. Exported
+    variables and the working directory carry over to the page's next block. Before running, the
+    substitutions of ``tools/substitutions.yaml`` are applied. A command line that starts with
+    ``wcache preload`` or ``wcache serve`` (after ``VAR=value`` prefixes, ``exec`` or ``nohup``;
+    backslash continuations and multi-line quotes are joined) is started in the background in its
+    own session and awaited: ``preload`` until its log shows ``Weight cache daemon READY``,
+    ``serve`` until ``GET /health`` on 127.0.0.1 and its ``--port`` (default 8000) answers 200. A
+    command line that ends with ``&`` is started the same way and tracked, but not awaited. Every
+    process started like this is stopped (SIGTERM to its process group, then SIGKILL) when the page
+    ends, and the runner waits until it is gone.
 ``yaml`` / ``yml``
     Parsed (all documents). A Compose file (top-level ``services``) is validated against the
     compose-spec JSON schema vendored in check-jsonschema; a Kubernetes object (``apiVersion`` and
@@ -32,9 +33,16 @@ Dispatch by language
     Parsed. With the ``loader-config`` marker it is also validated by
     ``wcache.loader.parse_loader_config`` (parsed only while that function does not exist).
 ``console`` / ``text`` / ``log`` with ``expect-output``
-    Every non-empty line must appear, in order, in the output of the page's previous bash block
-    (its stdout/stderr and the logs of the background processes it started). ``...`` in a line
-    matches any text; a leading timestamp / log-level / logger prefix in the output is tolerated.
+    Every non-empty line must appear in the output of the page's previous bash block (its
+    stdout/stderr and the logs of the background processes it started), in order within each of
+    those outputs. ``...`` in a line matches any text; a leading timestamp / log-level / logger
+    prefix in the output is tolerated.
+
+Indented (unfenced) code blocks are rejected: the runner would not see them. Admonition, content
+tab and list bodies (indented by 4 under their opener) are recognised as such.
+
+GPU mode (``WCACHE_RUN_GPU_BLOCKS=1``, used by ``make test-gpu`` on a CUDA host): no substitutions,
+and blocks skipped with a reason starting with ``GPU-only`` are run.
 
 Snippets: a line ``--8<-- "examples/compose.yaml"`` inside a block is replaced by that file
 (relative to the repository root, as pymdownx.snippets does with ``base_path: ["."]``), so the
@@ -71,8 +79,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -89,7 +98,7 @@ BLOCK_TIMEOUT_S = 300.0
 #: Grace period between SIGTERM and SIGKILL at page teardown.
 TERM_GRACE_S = 10.0
 #: Set to 1 on a GPU machine: substitutions are off and "GPU-only" skips are run.
-GPU_ENV = "WCACHE_DOCS_GPU"
+GPU_ENV = "WCACHE_RUN_GPU_BLOCKS"
 #: Set to 1 to keep each page's working directory after the page ends.
 KEEP_ENV = "WCACHE_DOCS_KEEP"
 
@@ -120,7 +129,7 @@ class MarkerSpec:
 MARKERS: dict[str, MarkerSpec] = {
     "skip": MarkerSpec(
         "Not run or validated here; the reason says why and where it is (e.g. 'GPU-only: ...',"
-        " 'multi-node: ...'). Reasons starting with 'GPU-only' run when WCACHE_DOCS_GPU=1.",
+        " 'multi-node: ...'). Reasons starting with 'GPU-only' run when WCACHE_RUN_GPU_BLOCKS=1.",
         needs_reason=True,
         alone=True,
     ),
@@ -179,7 +188,7 @@ class Marker:
         return "<!-- block: " + " ".join(parts) + " -->"
 
 
-_MARKER_RE = re.compile(r"^\s*<!--\s*block:(?P<body>.*?)-->\s*$", re.S)
+_MARKER_RE = re.compile(r"^\s*<!--\s*block:(?P<body>.*?)-->\s*$", re.DOTALL)
 
 
 def parse_marker(text: str, where: str, line: int) -> Marker:
@@ -203,9 +212,7 @@ def parse_marker(text: str, where: str, line: int) -> Marker:
             attrs[key] = value.strip()
         else:
             if tok not in MARKERS:
-                raise MarkerError(
-                    f"{where}: unknown marker word {tok!r}; known: {', '.join(MARKERS)}"
-                )
+                raise MarkerError(f"{where}: unknown marker word {tok!r}; known: {', '.join(MARKERS)}")
             words.append(tok)
     if not words and not attrs:
         raise MarkerError(f"{where}: block marker names no marker ({', '.join(MARKERS)})")
@@ -251,6 +258,7 @@ class Block:
 
 
 _FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_CONTAINER_OPEN = re.compile(r"^[ ]*(?:(?:!!!|\?\?\?\+?|===\+?)[ ]|(?:[-*+]|\d+[.)])(?:[ ]|$))")
 _SNIPPET = re.compile(r"^\s*-{1,}8<-{1,}\s+(?P<q>['\"])(?P<spec>.+?)(?P=q)\s*$")
 
 
@@ -311,9 +319,28 @@ def extract_blocks(page: Path, root: Path = ROOT) -> list[Block]:
     blocks: list[Block] = []
     pending: list[tuple[int, str]] = []  # (line, marker comment text) waiting for a fence
     i = 0
+    containers = [0]  # content indents of the open admonitions / tabs / list items
+    prev_blank = True
     while i < len(lines):
         line = lines[i]
         stripped = line.strip()
+        if not stripped:
+            prev_blank = True
+            i += 1
+            continue
+        # All code must be fenced, or the runner would not see it. markdownlint's MD046 cannot
+        # tell MkDocs admonition/tab bodies from indented code, so the check lives here.
+        ind = len(line.expandtabs(4)) - len(line.expandtabs(4).lstrip(" "))
+        while len(containers) > 1 and ind < containers[-1]:
+            containers.pop()
+        if prev_blank and ind >= containers[-1] + 4:
+            raise MarkerError(
+                f"{rel}:{i + 1}: indented code block; use a fenced block (the runner only runs"
+                " fences; admonition, tab and list bodies are indented by 4 under their opener)"
+            )
+        if _CONTAINER_OPEN.match(line):
+            containers.append(ind + 4)
+        prev_blank = False
         m = _FENCE_OPEN.match(line)
         if m and not (m.group("fence")[0] == "`" and "`" in m.group("info")):
             indent = len(m.group("indent").expandtabs(4))
@@ -382,7 +409,7 @@ def extract_blocks(page: Path, root: Path = ROOT) -> list[Block]:
             if "-->" not in text:
                 raise MarkerError(f"{rel}:{start + 1}: block marker comment is never closed")
             pending.append((start + 1, text))
-        elif stripped and pending:
+        elif pending:
             raise MarkerError(
                 f"{rel}:{pending[0][0]}: block marker is not followed by a fenced block"
                 f" (found {stripped[:60]!r} at line {i + 1})"
@@ -391,6 +418,17 @@ def extract_blocks(page: Path, root: Path = ROOT) -> list[Block]:
     if pending:
         raise MarkerError(f"{rel}:{pending[0][0]}: block marker at the end of the page")
     return blocks
+
+
+def has_gpu_only_blocks(page: Path, root: Path = ROOT) -> bool:
+    """Whether a page has blocks skipped with a reason starting with "GPU-only"."""
+    try:
+        found = extract_blocks(page, root)
+    except MarkerError:
+        return False
+    return any(
+        b.marker and b.marker.has("skip") and b.marker.reason.lower().startswith("gpu-only") for b in found
+    )
 
 
 def doc_pages(docs: Path = DOCS) -> list[Path]:
@@ -412,9 +450,8 @@ def disposition(block: Block, gpu: bool | None = None) -> tuple[str, str]:
     """(run | validated | skipped | unmarked, detail) for one block, without running it."""
     gpu = gpu_mode() if gpu is None else gpu
     mk = block.marker
-    if mk and mk.has("skip"):
-        if not (gpu and mk.reason.lower().startswith("gpu-only")):
-            return SKIPPED, mk.reason
+    if mk and mk.has("skip") and not (gpu and mk.reason.lower().startswith("gpu-only")):
+        return SKIPPED, mk.reason
     if mk and mk.has("illustration"):
         return SKIPPED, "illustration: " + mk.reason
     if block.lang in RUN_LANGS:
@@ -440,6 +477,7 @@ class Recorder:
     def __init__(self) -> None:
         self.results: list[Result] = []
         self.substitutions_applied: collections.Counter[int] = collections.Counter()
+        self.used = False  # set by the docs tests, so the session summary knows to print
 
     def add(self, block: Block, kind: str, detail: str = "") -> None:
         self.results.append(Result(block.where, block.lang, kind, detail))
@@ -475,8 +513,7 @@ def format_summary(
     pages = len({b.rel for b in blocks})
     out = [
         f"docs blocks: {len(blocks)} on {pages} page(s): run {c[RUN]}, validated {c[VALIDATED]},"
-        f" skipped {c[SKIPPED]}, unmarked {c[UNMARKED]}"
-        + ("  [GPU mode]" if gpu_mode() else "")
+        f" skipped {c[SKIPPED]}, unmarked {c[UNMARKED]}" + ("  [GPU mode]" if gpu_mode() else "")
     ]
     for reason, n in sorted(cov["skipped_reasons"].items()):
         out.append(f"  skipped x{n}: {reason}")
@@ -492,9 +529,7 @@ def format_summary(
         )
     if substitutions:
         out.append(
-            "  substitutions (tools/substitutions.yaml)"
-            + (" - off in GPU mode" if gpu_mode() else "")
-            + ":"
+            "  substitutions (tools/substitutions.yaml)" + (" - off in GPU mode" if gpu_mode() else "") + ":"
         )
         for n, s in enumerate(substitutions):
             applied = recorder.substitutions_applied[n] if recorder else 0
@@ -549,9 +584,7 @@ def load_substitutions(path: Path = SUBSTITUTIONS_FILE) -> list[Substitution]:
     return subs
 
 
-def apply_substitutions(
-    script: str, subs: list[Substitution], recorder: Recorder | None = None
-) -> str:
+def apply_substitutions(script: str, subs: list[Substitution], recorder: Recorder | None = None) -> str:
     for n, s in enumerate(subs):
         script, count = s.pattern.subn(s.replace, script)
         if recorder is not None and count:
@@ -635,9 +668,7 @@ _WCACHE_LONG = re.compile(
 _HELP = re.compile(r"(?:^|\s)(?:--help|-h|--version)(?=\s|$)")
 _TRAILING_AMP = re.compile(r"(?<![&>|])&\s*$")
 _PORT = re.compile(r"(?:^|\s)--port(?:=|\s+(?:\\\n\s*)?)(?P<port>\"[^\"]*\"|'[^']*'|[^\s;&|]+)")
-_STDOUT_REDIRECT = re.compile(
-    r"(?:^|\s)(?:1?>>?|&>>?)\s*(?P<target>\"[^\"]+\"|'[^']+'|[^\s;&|<>]+)"
-)
+_STDOUT_REDIRECT = re.compile(r"(?:^|\s)(?:1?>>?|&>>?)\s*(?P<target>\"[^\"]+\"|'[^']+'|[^\s;&|<>]+)")
 
 
 @dataclasses.dataclass
@@ -670,9 +701,7 @@ def rewrite_script(
         started.append(Background(kind, str(log)))
         qlog = shlex.quote(str(log))
         out.append(f"# wcache-docs: {kind} started in the background and tracked")
-        out.append(
-            f"setsid bash -o pipefail -c {shlex.quote(cmd.strip())} >{qlog} 2>&1 </dev/null &"
-        )
+        out.append(f"setsid bash -o pipefail -c {shlex.quote(cmd.strip())} >{qlog} 2>&1 </dev/null &")
         user_logs = [r.group("target") for r in _STDOUT_REDIRECT.finditer(cmd)]
         user_log = user_logs[-1] if user_logs else "''"
         out.append(f'__wcb_track "$!" {kind} {qlog} {user_log}')
@@ -681,7 +710,7 @@ def rewrite_script(
             pm = _PORT.search(cmd)
             if pm:
                 port = pm.group("port")
-            args = f"--kind {kind} --pid \"$!\" --timeout {ready_timeout:g} --log {qlog}"
+            args = f'--kind {kind} --pid "$!" --timeout {ready_timeout:g} --log {qlog}'
             if user_logs:
                 args += f" --log {user_log}"
             if kind == "serve":
@@ -975,13 +1004,14 @@ class PageRunner:
         substitutions: list[Substitution] | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
         grace: float = TERM_GRACE_S,
+        gpu: bool | None = None,
     ) -> None:
         self.page = Path(page)
         self.request = request
         self.root = Path(root)
         self.recorder = recorder
         self.extra_path = [Path(p) for p in extra_path]
-        self.gpu = gpu_mode()
+        self.gpu = gpu_mode() if gpu is None else gpu
         if substitutions is None:
             substitutions = [] if self.gpu else load_substitutions()
         self.substitutions = substitutions
@@ -1012,6 +1042,8 @@ class PageRunner:
         self.env = dict(os.environ)
         self.env.update(
             TMPDIR=str(self.tmp),
+            # wcache's on-disk cache (fingerprint memo): cold and private for every page.
+            WCACHE_CACHE_ROOT=str(self.dir / "cache"),
             PATH=os.pathsep.join(path),
             PYTHONUNBUFFERED="1",
             WCB_STATE=str(self.state),
@@ -1041,13 +1073,14 @@ class PageRunner:
             problems = self.teardown()
         if failure is None and problems:
             failure = f"{_display(self.page, self.root)}: " + "; ".join(problems)
-        if failure is not None:
-            failure += f"\n(page working directory kept: {self.dir})"
-            raise BlockFailure(failure)
         if os.environ.get(KEEP_ENV, "") in ("", "0"):
             import shutil
 
             shutil.rmtree(self.dir, ignore_errors=True)
+        elif failure is not None:
+            failure += f"\n(page working directory kept: {self.dir})"
+        if failure is not None:
+            raise BlockFailure(failure)
 
     def _record(self, block: Block, kind: str, detail: str = "") -> None:
         if self.recorder is not None:
@@ -1098,9 +1131,10 @@ class PageRunner:
     def run_bash(self, block: Block, expect_fail: bool) -> None:
         script = apply_substitutions(block.source, self.substitutions, self.recorder)
         ready_timeout = self.ready_timeout
+        block_timeout = BLOCK_TIMEOUT_S
         if block.marker and "timeout" in block.marker.attrs:
             ready_timeout = float(block.marker.attrs["timeout"])
-        block_timeout = max(BLOCK_TIMEOUT_S, 3 * ready_timeout)
+            block_timeout = max(BLOCK_TIMEOUT_S, 3 * ready_timeout)
         tag = f"b{block.index + 1:02d}-L{block.line}"
         body, _ = rewrite_script(script, self.logs, tag, ready_timeout)
         script_file = self.state / f"{tag}.sh"
@@ -1200,9 +1234,7 @@ class PageRunner:
         from pytest_examples import CodeExample
         from pytest_examples.eval_example import EvalExample
 
-        example = CodeExample.create(
-            block.source, path=block.page, start_line=block.line, prefix="python"
-        )
+        example = CodeExample.create(block.source, path=block.page, start_line=block.line, prefix="python")
         eval_example = EvalExample(tmp_path=self.dir / "py", pytest_request=self.request)
         saved_env = dict(os.environ)
         saved_cwd = os.getcwd()
@@ -1216,7 +1248,7 @@ class PageRunner:
             _tempfile.tempdir = None
             module = eval_example.run_print_check(example, module_globals=dict(self.py_globals))
             self.py_globals.update({k: v for k, v in module.items() if not k.startswith("__")})
-        except (Exception, SystemExit, pytest.fail.Exception) as e:  # reported outside `except`
+        except (Exception, SystemExit, pytest.fail.Exception) as e:  # noqa: BLE001 - reported below
             error = _describe_exception(e)
         finally:
             os.chdir(saved_cwd)
@@ -1311,7 +1343,14 @@ def _cmd_run(pages: list[str]) -> int:
     os.environ["WCACHE_DOCS_PAGES"] = os.pathsep.join(str(Path(p).resolve()) for p in pages)
     return int(
         pytest.main(
-            [str(ROOT / "tests" / "docs" / "test_blocks.py"), "-k", "test_page", "-q", "-p", "no:cacheprovider"]
+            [
+                str(ROOT / "tests" / "docs" / "test_blocks.py"),
+                "-k",
+                "test_page",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+            ]
         )
     )
 

@@ -4,6 +4,7 @@
 """
 
 import os
+import shutil
 from pathlib import Path
 
 import blocks
@@ -18,12 +19,32 @@ def _pages() -> list[Path]:
 
 
 PAGES = _pages()
+GPU_PAGES = [p for p in PAGES if blocks.has_gpu_only_blocks(p)]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[blocks._display(p, blocks.ROOT) for p in PAGES])
+def _id(page: Path) -> str:
+    return blocks._display(page, blocks.ROOT)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[_id(p) for p in PAGES])
 def test_page(page: Path, request: pytest.FixtureRequest) -> None:
     blocks.SESSION.used = True
     blocks.run_page(page, request=request, recorder=blocks.SESSION)
+
+
+_GPU_PARAMS = [pytest.param(p, id=_id(p)) for p in GPU_PAGES] or [
+    pytest.param(None, id="none", marks=pytest.mark.skip(reason="no page has GPU-only blocks"))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", _GPU_PARAMS)
+def test_page_on_gpu(page: Path, request: pytest.FixtureRequest) -> None:
+    """On a CUDA host (`make test-gpu`): the page again, GPU-only blocks included, unsubstituted."""
+    if not os.environ.get(blocks.GPU_ENV) or shutil.which("nvidia-smi") is None:
+        pytest.skip(f"GPU-only blocks run on a CUDA host with {blocks.GPU_ENV}=1")
+    blocks.SESSION.used = True
+    blocks.run_page(page, request=request, recorder=blocks.SESSION, gpu=True)
 
 
 def test_coverage() -> None:

@@ -7,7 +7,6 @@ depending on the real package; one smoke test uses the real `wcache` when it is 
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -54,7 +53,7 @@ def alive(pid: int) -> bool:
 def test_extracts_fences_at_any_indent_with_markers(tmp_path: Path) -> None:
     page = write_page(
         tmp_path,
-        '''
+        """
         # Page
 
         <!-- block: skip reason="GPU-only: needs a CUDA device" -->
@@ -80,7 +79,7 @@ def test_extracts_fences_at_any_indent_with_markers(tmp_path: Path) -> None:
         not a block of its own
         ```
         ````
-        ''',
+        """,
     )
     found = blocks.extract_blocks(page, tmp_path)
     assert [(b.line, b.lang) for b in found] == [(4, "bash"), (11, "text"), (17, "python"), (21, "markdown")]
@@ -109,6 +108,41 @@ def test_bad_markers_are_rejected(tmp_path: Path, marker: str, message: str) -> 
     page = write_page(tmp_path, f"# P\n\n{marker}\n```bash\necho hi\n```\n")
     with pytest.raises(blocks.MarkerError, match=message):
         blocks.extract_blocks(page, tmp_path)
+
+
+def test_indented_code_is_rejected_but_admonition_bodies_are_not(tmp_path: Path) -> None:
+    ok = write_page(
+        tmp_path,
+        """
+        # P
+
+        !!! note "A note"
+
+            Text inside the note.
+
+            ```bash
+            echo hi
+            ```
+
+        === "Tab"
+
+            Text in a tab.
+
+            ??? tip "Nested"
+
+                More text.
+
+        - item
+
+            continued item paragraph
+
+            - nested item
+        """,
+    )
+    assert len(blocks.extract_blocks(ok, tmp_path)) == 1
+    bad = write_page(tmp_path, "# P\n\nParagraph.\n\n    indented code\n", name="bad.md")
+    with pytest.raises(blocks.MarkerError, match="bad.md:5: indented code block"):
+        blocks.extract_blocks(bad, tmp_path)
 
 
 def test_orphan_marker_is_rejected(tmp_path: Path) -> None:
@@ -182,6 +216,21 @@ def test_bash_blocks_share_state_in_order(tmp_path: Path, request) -> None:
     run(tmp_path, request, text)
 
 
+def test_gpu_only_blocks_run_in_gpu_mode(tmp_path: Path, request) -> None:
+    text = f"""
+    # P
+
+    <!-- block: skip reason="GPU-only: needs a CUDA device" -->
+    ```bash
+    echo wcache serve ./m --device cuda > {tmp_path}/ran
+    ```
+    """
+    run(tmp_path, request, text, gpu=False)
+    assert not (tmp_path / "ran").exists()
+    run(tmp_path, request, text, gpu=True)
+    assert (tmp_path / "ran").read_text() == "wcache serve ./m --device cuda\n"  # no substitution
+
+
 def test_failing_bash_block_fails(tmp_path: Path, request) -> None:
     text = """
     # P
@@ -249,7 +298,11 @@ def test_expect_output_in_order_with_log_prefixes(tmp_path: Path, request) -> No
         run(tmp_path, request, wrong_order)
     # A prefix is only tolerated when it looks like a log prefix, not arbitrary text.
     with pytest.raises(blocks.BlockFailure, match="expected line not found"):
-        run(tmp_path, request, "# P\n\n```bash\necho 'not done'\n```\n\n<!-- block: expect-output -->\n```text\ndone\n```\n")
+        run(
+            tmp_path,
+            request,
+            "# P\n\n```bash\necho 'not done'\n```\n\n<!-- block: expect-output -->\n```text\ndone\n```\n",
+        )
 
 
 def test_expect_output_needs_a_previous_bash_block(tmp_path: Path, request) -> None:
@@ -297,6 +350,14 @@ def test_background_process_is_killed_at_teardown(tmp_path: Path, request) -> No
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 3
     assert not [p for p in started if alive(p)]
+
+
+def test_block_that_hangs_times_out(tmp_path: Path, request, monkeypatch) -> None:
+    monkeypatch.setattr(blocks, "BLOCK_TIMEOUT_S", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(blocks.BlockFailure, match=r"(?s)timed out after 1s.*started"):
+        run(tmp_path, request, "# P\n\n```bash\necho started\nsleep 60\necho never\n```\n")
+    assert time.monotonic() - t0 < 10
 
 
 def test_rewrite_script_finds_long_running_commands() -> None:
@@ -394,7 +455,9 @@ def test_compose_files_are_validated(tmp_path: Path, request) -> None:
     assert recorder.results[0].detail == "compose (from examples/compose.yaml)"
 
     (tmp_path / "examples" / "compose.yaml").write_text(GOOD_COMPOSE.replace("ipc: host", "ipcc: host"))
-    with pytest.raises(blocks.BlockFailure, match=r"(?s)compose.*from examples/compose.yaml.*'ipcc' was unexpected"):
+    with pytest.raises(
+        blocks.BlockFailure, match=r"(?s)compose.*from examples/compose.yaml.*'ipcc' was unexpected"
+    ):
         run(tmp_path, request, text)
 
     inline_bad = "# P\n\n```yaml\nservices:\n  a:\n    image: x\n    depends_on: 3\n```\n"
@@ -446,7 +509,11 @@ def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path, request) ->
 
 
 def test_json_blocks(tmp_path: Path, request) -> None:
-    run(tmp_path, request, '# P\n\n<!-- block: loader-config -->\n```json\n{"mode": "copy", "fallback": false}\n```\n')
+    run(
+        tmp_path,
+        request,
+        '# P\n\n<!-- block: loader-config -->\n```json\n{"mode": "copy", "fallback": false}\n```\n',
+    )
     with pytest.raises(blocks.BlockFailure, match="JSON does not parse"):
         run(tmp_path, request, '# P\n\n```json\n{"mode": "copy",}\n```\n')
 
@@ -457,7 +524,11 @@ def test_loader_config_is_checked_by_wcache(tmp_path: Path, request) -> None:
         pytest.skip("wcache.loader.parse_loader_config not written yet")
     with pytest.raises(blocks.BlockFailure, match="LoaderConfigError"):
         run(tmp_path, request, '# P\n\n<!-- block: loader-config -->\n```json\n{"moed": "copy"}\n```\n')
-    run(tmp_path, request, '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n')
+    run(
+        tmp_path,
+        request,
+        '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n',
+    )
 
 
 # --- awaited wcache preload / serve (stand-in executable) ------------------------------------
@@ -534,6 +605,25 @@ def test_preload_and_serve_are_awaited_and_stopped(tmp_path: Path, request, fake
     assert not [p for p in started if alive(p)]
 
 
+def test_stopping_an_engine_by_its_pid(tmp_path: Path, request, fake_wcache) -> None:
+    port = free_port()
+    text = f"""
+    # P
+
+    ```bash
+    wcache serve ./m --port {port} &
+    ENGINE_PID=$!
+    ```
+
+    ```bash
+    kill "$ENGINE_PID"
+    while curl -s "http://127.0.0.1:{port}/health" >/dev/null; do sleep 0.1; done
+    ```
+    """
+    run(tmp_path, request, text, extra_path=[fake_wcache])
+    assert len(_pids(tmp_path, "serve")) == 1
+
+
 def test_expect_output_sees_background_logs(tmp_path: Path, request, fake_wcache) -> None:
     text = """
     # P
@@ -552,7 +642,9 @@ def test_expect_output_sees_background_logs(tmp_path: Path, request, fake_wcache
 
 def test_serve_that_exits_early_fails_with_its_log(tmp_path: Path, request, fake_wcache) -> None:
     text = f"# P\n\n```bash\nwcache serve ./m --port {free_port()} --fail\necho not reached\n```\n"
-    with pytest.raises(blocks.BlockFailure, match=r"(?s)exited before it was ready.*engine failed: boom") as e:
+    with pytest.raises(
+        blocks.BlockFailure, match=r"(?s)exited before it was ready.*engine failed: boom"
+    ) as e:
         run(tmp_path, request, text, extra_path=[fake_wcache])
     assert "not reached" not in str(e.value)
 
@@ -568,7 +660,9 @@ def test_preload_that_never_gets_ready_times_out(tmp_path: Path, request, fake_w
 
 
 def test_list_command(tmp_path: Path) -> None:
-    page = write_page(tmp_path, '# P\n\n```bash\necho\n```\n\n<!-- block: skip reason="multi-node" -->\n```bash\nx\n```\n')
+    page = write_page(
+        tmp_path, '# P\n\n```bash\necho\n```\n\n<!-- block: skip reason="multi-node" -->\n```bash\nx\n```\n'
+    )
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "blocks.py"), "list", str(page)],
         capture_output=True,
@@ -581,11 +675,14 @@ def test_list_command(tmp_path: Path) -> None:
 
 
 def _real_wcache() -> str | None:
+    import importlib.util
+
     exe = shutil.which("wcache", path=str(ROOT / ".venv" / "bin"))
-    if exe is None:
-        return None
-    probe = subprocess.run([exe, "make-checkpoint", "--help"], capture_output=True, timeout=60)
-    return exe if probe.returncode == 0 else None
+    try:
+        has_checkpoint = importlib.util.find_spec("wcache.checkpoint") is not None
+    except ImportError:
+        has_checkpoint = False
+    return exe if exe and has_checkpoint else None
 
 
 def test_smoke_with_real_make_checkpoint(tmp_path: Path, request) -> None:
