@@ -87,8 +87,8 @@ class Proc:
 class Processes:
     """Factory fixture: every process it starts is stopped at teardown (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, tmp: Path, env: dict):
-        self.tmp, self.env, self.started = tmp, env, []
+    def __init__(self, tmp: Path, env: dict, device: str = "cpu"):
+        self.tmp, self.env, self.started, self.device = tmp, env, [], device
 
     def start(self, *args: str, name: str | None = None, env: dict | None = None) -> Proc:
         name = name or f"{args[0]}-{len(self.started)}"
@@ -97,12 +97,12 @@ class Processes:
         return p
 
     def preload(self, model, *extra: str, ready: bool = True, **kw) -> Proc:
-        p = self.start("preload", "--model", str(model), "--device", "cpu", *extra, **kw)
+        p = self.start("preload", "--model", str(model), "--device", self.device, *extra, **kw)
         return p.wait_for_log(READY) if ready else p
 
     def serve(self, model, *extra: str, port: int | None = None, ready: bool = True, **kw) -> Proc:
         port = port or free_port()
-        p = self.start("serve", str(model), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra, **kw)
+        p = self.start("serve", str(model), "--device", self.device, "--host", "127.0.0.1", "--port", str(port), *extra, **kw)
         p.port = port
         if ready:
             p.wait_for(lambda: _healthy(port), what="/health 200")

@@ -95,6 +95,13 @@ class DaemonUnderTest:
 def run_bench(args) -> int:
     cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
     env = environment(cfg.device)
+    if cfg.device == "cuda":
+        # A restarted engine creates its CUDA context whatever the weights' source; keep that out
+        # of every sample alike.
+        from .cuda_ipc import cudart
+
+        torch.empty(1, device=cfg.torch_device)
+        cudart()
     n = max(1, args.repeat)
     work = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
     sockets = work / "sockets"
@@ -112,7 +119,7 @@ def run_bench(args) -> int:
     load_weights(cfg, "safetensors")  # warm the page cache: the baseline is a warm-cache disk load
     disk = [_timed_load(cfg, "safetensors")[0] for _ in range(n)]
 
-    zero_copy, copy = [], []
+    zero_copy, copy, phases = [], [], []
     lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
     lc_copy = LoaderConfig(mode="copy", fallback=True, socket_dir=str(sockets))
     daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets)
@@ -120,6 +127,7 @@ def run_bench(args) -> int:
         for _ in range(n):
             elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_zero)
             zero_copy.append(elapsed)
+            phases.append(report.phases)
             for lease in report.keepalive:
                 lease.close()
             tensors = report.tensors
@@ -145,6 +153,7 @@ def run_bench(args) -> int:
         "seconds": {**{k: round(v, 6) for k, v in med.items()},
                     "key_first_sight": round(key_first, 6), "key_restart": round(key_cached, 6)},
         "samples": {"disk": disk, "zero_copy": zero_copy, "copy": copy},
+        "zero_copy_phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 3) for k in phases[0]},
         "ratios": {
             "disk_over_zero_copy": round(med["disk"] / med["zero_copy"], 2),
             "disk_over_copy": round(med["disk"] / med["copy"], 2),
@@ -173,6 +182,7 @@ def render_table(r: dict) -> str:
         f"{'disk (warm page cache)':<26}{s['disk']:>20.4f}{'1.0x':>10}",
         f"{'ipc_cache zero_copy':<26}{s['zero_copy']:>20.4f}{ratios['disk_over_zero_copy']:>9}x",
         f"{'ipc_cache copy':<26}{s['copy']:>20.4f}{ratios['disk_over_copy']:>9}x",
+        "zero_copy steps (ms): " + ", ".join(f"{k} {v}" for k, v in r["zero_copy_phases_ms"].items()),
         f"cache key: first sight {s['key_first_sight']:.4f} s ({ratios['key_first_sight_over_disk']:.1%} of disk), "
         f"restart {s['key_restart']:.4f} s ({ratios['key_restart_over_disk']:.2%} of disk)",
     ]

@@ -40,6 +40,8 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(1024, 2816, 16, 16, 4, 32000, 2048, 10000.0, 256 << 20),
     # The shapes of Llama-3.1-8B: 291 tensors, about 16 GB in bf16.
     "llama-8b": Preset(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, 5 << 30),
+    # 1,667 narrow layers: 10,005 post-processed tensors (about 650 MB), for the per-tensor cost.
+    "tensors-10k": Preset(128, 384, 1667, 4, 2, 512, 512, 10000.0, 1 << 30),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

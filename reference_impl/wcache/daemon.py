@@ -24,15 +24,17 @@ import threading
 import time
 from pathlib import Path
 
-from . import logs
+import torch
+
+from . import autotune, logs, seed
 from .config import EngineConfig, Ranks
 from .device import device_identity
 from .disk import load_processed
-from .errors import REASONS, UnsupportedQuantForIPCError, UserError
+from .errors import REASONS, AutotuneFailedError, UnsupportedQuantForIPCError, UserError
 from .fingerprint import cache_key, checkpoint_digest, mismatched_fields
-from .protocol import ProtocolError, close_fds, recv_frame, reply, send_frame
+from .protocol import ProtocolError, close_fds, encode, recv_frame, reply, send_frame
 from .sockets import DaemonLock, prepare_socket_dir, socket_name
-from .transport import CpuArena
+from .transport import make_arena, manifest
 
 log = logging.getLogger("wcache.daemon")
 
@@ -58,6 +60,8 @@ class RankDaemon:
         self.leases: set[int] = set()  # ids of connections holding a zero_copy mapping
         self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
         self.arena = None
+        self.autotune_doc = None  # the tuned winners this rank serves to seeding replicas
+        self.seed_server = None
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -66,15 +70,50 @@ class RankDaemon:
         t0 = time.perf_counter()
         digest, stats = checkpoint_digest(self.cfg.model)
         self.key = cache_key(self.cfg, digest)
+        from .ranks import join_daemon_world  # one torch.distributed world over all ranks and nodes
+
+        join_daemon_world(self.spec.get("world"), self.cfg.ranks, self.cfg.device, digest)
         weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
-        self.arena = CpuArena(weights)
+        self.arena = make_arena(weights, self.cfg.torch_device)
         self.aliases, self.attrs = weights.aliases, weights.attrs
         self.weights_bytes = weights.nbytes
+        # The answer to get_state never changes: encode it once (10,000 entries take ms to encode).
+        self.state_frame = encode(reply(True, arena=self.arena.descriptor(), manifest=manifest(self.arena.layout),
+                                        aliases=self.aliases, attrs=self.attrs, device_id=self.device_id,
+                                        weights_bytes=self.weights_bytes))
         del weights
         gc.collect()  # the post-processed copies are in the arena now; free the transients
+        if self.cfg.device == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just to torch's pool
         log.info("Rank %d loaded %d tensors (%.1f MiB) into a %s arena in %.2f s (hashed %d of %d files)",
                  self.rank, len(self.arena.layout.entries), self.weights_bytes / 2**20, self.arena.kind,
                  time.perf_counter() - t0, stats["files_hashed"], stats["files"])
+
+    def autotune_pass(self) -> None:
+        """Pull the tuned cache from a seed daemon if one is given, then load or tune it (before the
+        socket is bound, so an engine that finds the socket also finds the cache). Fatal on failure."""
+        if not self.spec.get("autotune", True):
+            log.info("[Autotuner]: skipped (--no-enable-autotune)")
+            return
+        if self.spec.get("draft"):
+            log.info("[Autotuner]: skipped for the draft model group")
+            return
+        try:
+            if self.spec.get("seed"):
+                seed.pull(self.cfg, self.spec["seed"], self.spec.get("seed_token") or "")
+            self.autotune_doc, _path, trials = autotune.load_or_tune(self.cfg, f"daemon rank {self.rank}")
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the pass stops this rank
+            raise AutotuneFailedError(e) from e
+        log.info(autotune.TRIALS_LINE.format(trials=trials))
+
+    def start_seeding(self) -> None:
+        listen = self.spec.get("seed_listen")
+        if listen:
+            host, base = listen
+            self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
+                                               lambda: self.autotune_doc, self.rank).start()
 
     def bind(self) -> socket.socket:
         if self.spec.get("socket_path"):
@@ -121,10 +160,12 @@ class RankDaemon:
                 continue
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 
-    def _refuse(self, conn: socket.socket, error: str, message: str) -> None:
+    def _refuse(self, conn: socket.socket, error: str, message: str, drain: bool = False) -> None:
         try:
             conn.settimeout(1.0)
             send_frame(conn, reply(False, error=error, message=message))
+            if drain:
+                _drain(conn)
         except OSError:
             pass
         conn.close()
@@ -136,7 +177,7 @@ class RankDaemon:
             if uid != os.getuid():
                 msg = REASONS["rejected"].format(uid=uid)
                 log.warning("%s (pid %d)", msg, pid)
-                self._refuse(conn, "rejected", msg)
+                self._refuse(conn, "rejected", msg, drain=True)
                 return
             conn.settimeout(REQUEST_TIMEOUT_S)
             while not self.stop.is_set():
@@ -148,10 +189,11 @@ class RankDaemon:
                 except ProtocolError as e:
                     log.warning("Bad frame from pid %d: %s", pid, e)
                     send_frame(conn, reply(False, error="protocol", message=str(e)))
+                    _drain(conn)
                     return
                 answer, fds = self._handle(cid, req)
                 send_frame(conn, answer, fds)
-                if not answer["ok"] and answer.get("error") == "protocol":
+                if isinstance(answer, dict) and not answer["ok"] and answer.get("error") == "protocol":
                     return
         except (OSError, TimeoutError):
             pass
@@ -177,9 +219,7 @@ class RankDaemon:
                                  message=REASONS["mismatch"].format(fields=fields)), []
                 if mode == "zero_copy":
                     self.leases.add(cid)
-                return reply(True, arena=self.arena.descriptor(), tensors=self.arena.layout.entries,
-                             aliases=self.aliases, attrs=self.attrs, device_id=self.device_id,
-                             weights_bytes=self.weights_bytes), self.arena.fds()
+                return self.state_frame, self.arena.fds()
         if op == "get_memory":
             with self.lock:
                 held = 0 if self.released else self.weights_bytes
@@ -207,9 +247,28 @@ class RankDaemon:
         except OSError:
             pass
         self.flock.release()
+        if self.seed_server is not None:
+            self.seed_server.close()
         if self.arena is not None:
             self.arena.close()
         log.info("Rank %d stopped; socket %s removed", self.rank, self.path)
+
+
+def _drain(conn: socket.socket, limit: int = 1 << 20, seconds: float = 1.0) -> None:
+    """After our last frame, read (bounded) what the peer still sends: closing a Unix socket with
+    unread input resets the connection, and the peer would lose the answer we just sent."""
+    deadline = time.monotonic() + seconds
+    got = 0
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        while got < limit and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            got += len(chunk)
+    except OSError:
+        pass
 
 
 def main() -> int:
@@ -221,6 +280,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, lambda *_: daemon.stop.set())
     try:
         daemon.load()
+        daemon.autotune_pass()
+        daemon.start_seeding()
         listener = daemon.bind()
     except UserError as e:
         log.error("%s", e)

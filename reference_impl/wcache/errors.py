@@ -58,7 +58,54 @@ class WeightCacheError(UserError):
 
 
 class ExternalWeightsExceedBudgetError(UserError):
-    pass
+    TEMPLATE = ("Externally held weights ({external}) exceed the desired GPU memory utilization "
+                "({utilization} x {capacity} = {budget}); {fix}")
+    FIX_RAISE = "raise --gpu-memory-utilization to at least {needed}"
+    FIX_SMALL = ("they exceed the device's capacity: give each rank a smaller share of the model "
+                 "(more tensor or pipeline parallelism)")
+
+    def __init__(self, **fields):
+        super().__init__(self.TEMPLATE.format(**fields))
+
+
+class KVCacheBudgetError(UserError):
+    NO_ROOM = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization "
+               "(or --cpu-memory-capacity on CPU)")
+    TOO_LONG = ("--max-model-len {length} needs {length} KV cache tokens but the memory budget holds {tokens}: "
+                "{split}. Raise --gpu-memory-utilization or lower --max-model-len")
+
+
+class AutotuneFailedError(UserError):
+    TEMPLATE = "Autotune pass failed: {error}. Fix the cause or start with --no-enable-autotune"
+
+    def __init__(self, error):
+        super().__init__(self.TEMPLATE.format(error=error))
+
+
+class SeedConfigError(UserError):
+    LISTEN_WITHOUT_TOKEN = ("--weight-cache-seed-listen needs --weight-cache-seed-token (or WCACHE_SEED_TOKEN): "
+                            "refusing to serve the autotune cache without a token")
+    BAD_ADDRESS = "{flag} expects HOST:PORT with a port of 1-65535, got {value!r}"
+    COUNT = ("--weight-cache-seed lists {given} address(es) but this launcher runs {ranks} local rank(s); "
+             "give one HOST:PORT per local rank, in local rank order")
+    SEED_WITHOUT_TOKEN = ("--weight-cache-seed needs --weight-cache-seed-token (or WCACHE_SEED_TOKEN): "
+                          "the seed daemon answers only requests that carry its token")
+    SHORT_TOKEN = "--weight-cache-seed-token must be at least {min} characters"
+    PORT_IN_USE = "Cannot listen for seeding on {address}: {error}"
+
+
+# Why pulling the autotune cache from a seed daemon failed; each is logged, then the daemon tunes
+# locally (SEED_FALLBACK).
+SEED_REASONS = {
+    "unreachable": "Cannot reach the weight cache seed at {address}: {error}",
+    "token": "The weight cache seed at {address} rejected the token (--weight-cache-seed-token must match the seed's)",
+    "mismatch": "The weight cache seed at {address} was tuned for another configuration (fields: {fields})",
+    "no_cache": "The weight cache seed at {address} has no autotune cache (it runs with --no-enable-autotune)",
+    "rate_limited": "The weight cache seed at {address} refuses this host for now: too many bad tokens",
+    "protocol": "Bad reply from the weight cache seed at {address}: {detail}",
+}
+SEED_FALLBACK = "{reason}; tuning locally"
+SEEDED = "Seeded the autotune cache from {address}: {n} configs"
 
 
 # Reasons the weight cache is unusable. Each cause has its own kind and text; with fallback on the
@@ -77,6 +124,7 @@ REASONS = {
     "timeout": "no reply from the weight cache daemon at {path} within {timeout}s",
     "protocol": "protocol error from the weight cache daemon: {detail}",
     "device": "Daemon GPU {daemon} != engine GPU {engine}; check the socket path / GPU mapping",
+    "map": "Cannot map the weight cache daemon's memory: {error}",
 }
 
 # Kinds worth waiting for when fallback is off: the daemon may still be starting.

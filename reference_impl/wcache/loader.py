@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import torch
+
 from . import errors
 from .config import EngineConfig
 from .device import device_identity
@@ -30,12 +32,14 @@ from .fingerprint import cache_key
 from .postprocess import ProcessedWeights
 from .protocol import ProtocolError, close_fds, recv_frame, request, send_frame
 from .sockets import check_socket_file, prepare_socket_dir, socket_name
-from .transport import bind_views, open_cpu_arena
+from .transport import bind_views, open_arena
 
 log = logging.getLogger("wcache.loader")
 
 MODES = ("zero_copy", "copy")
 RETRY_INTERVAL_S = 0.25
+# Bounds NaN, Infinity (which Python's json accepts) and values that overflow a socket timeout.
+MAX_TIMEOUT_S = 1e6
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,8 @@ def parse_loader_config(value: str | dict | None) -> LoaderConfig:
         if v.get(k) is not None and (not isinstance(v[k], str) or not v[k]):
             raise LoaderConfigError(f"{k} must be a non-empty string path, got {v[k]!r}")
     for k in ("connect_timeout_s", "state_timeout_s"):
-        if k in v and (isinstance(v[k], bool) or not isinstance(v[k], (int, float)) or not v[k] > 0):
-            raise LoaderConfigError(f"{k} must be a positive number of seconds, got {v[k]!r}")
+        if k in v and (isinstance(v[k], bool) or not isinstance(v[k], (int, float)) or not 0 < v[k] <= MAX_TIMEOUT_S):
+            raise LoaderConfigError(f"{k} must be a positive number of seconds (at most {MAX_TIMEOUT_S:g}), got {v[k]!r}")
         if k in v:
             v[k] = float(v[k])
     return LoaderConfig(**v)
@@ -131,7 +135,12 @@ class CacheClient:
             raise CacheUnusable("protocol", detail=f"{kind}: {answer.get('message')}")
         return answer, fds
 
+    mapping = None  # the daemon's memory this engine maps (zero_copy); let go of it on close
+
     def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
         self.sock.close()
 
 
@@ -142,20 +151,39 @@ def _check_supported(cfg: EngineConfig) -> None:
         raise UnsupportedQuantForIPCError(cfg.quant.name)
 
 
-def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path):
+def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases: dict):
+    """One handoff; ``phases`` receives the seconds each step took (the bench prints them)."""
+    t = time.perf_counter()
     client = CacheClient(path, lc)
+    phases["connect"], t = time.perf_counter() - t, time.perf_counter()
     try:
         answer, fds = client.call("get_state", key=key, mode=lc.mode)
+        phases["request"], t = time.perf_counter() - t, time.perf_counter()
         engine_id = device_identity(cfg.device, cfg.ranks.local_rank)
         if answer.get("device_id") != engine_id:
             close_fds(fds)
             raise CacheUnusable("device", daemon=answer.get("device_id"), engine=engine_id)
         try:
-            arena = open_cpu_arena(answer.get("arena") or {}, fds)
-            if lc.mode == "copy":
-                arena = arena.clone()  # one memcpy of the whole arena, then views of our own copy
-            tensors = bind_views(arena, answer.get("tensors") or [], {})
+            mapped = open_arena(answer.get("arena") or {}, fds, cfg.torch_device)
         except ProtocolError as e:
+            raise CacheUnusable("protocol", detail=str(e)) from None
+        except (OSError, RuntimeError) as e:  # mmap or cudaIpcOpenMemHandle refused (namespaces, permissions)
+            raise CacheUnusable("map", error=e) from None
+        phases["map"], t = time.perf_counter() - t, time.perf_counter()
+        try:
+            arena = mapped.tensor
+            if lc.mode == "copy":
+                # One device/host memcpy of the whole arena, then views of our own copy. Let go of
+                # the daemon's memory before asking it to release, so the release really frees it.
+                arena = arena.clone()
+                if arena.is_cuda:
+                    torch.cuda.synchronize(arena.device)
+                mapped.close()
+                phases["copy"], t = time.perf_counter() - t, time.perf_counter()
+            tensors = bind_views(arena, answer.get("manifest") or {}, {})
+            phases["bind"], t = time.perf_counter() - t, time.perf_counter()
+        except ProtocolError as e:
+            mapped.close()
             raise CacheUnusable("protocol", detail=str(e)) from None
         aliases = answer.get("aliases") or {}
         if any(t not in tensors for t in aliases.values()):
@@ -167,26 +195,30 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path):
             except CacheUnusable as e:
                 log.warning("The daemon kept its copy of the weights: %s", e)
             client.close()
+            phases["release"] = time.perf_counter() - t
             return weights, None
+        client.mapping = mapped
         return weights, client  # zero_copy: the open connection is our lease
     except BaseException:
         client.close()
         raise
 
 
-def load_from_cache(cfg: EngineConfig, lc: LoaderConfig | None):
+def load_from_cache(cfg: EngineConfig, lc: LoaderConfig | None, draft: bool = False):
     """(weights, report) from the daemon, or (None, report with fallback_reason) to load from disk."""
     from .engine import LoadReport
 
     lc = lc or LoaderConfig()
     _check_supported(cfg)
+    t0 = time.perf_counter()
     key = cache_key(cfg)
+    phases = {"key": time.perf_counter() - t0}
     deadline = time.monotonic() + lc.state_timeout_s
     waited = False
     while True:
         try:
-            path = resolve_socket_path(cfg, lc)
-            weights, lease = _attempt(cfg, lc, key, path)
+            path = resolve_socket_path(cfg, lc, draft)
+            weights, lease = _attempt(cfg, lc, key, path, phases)
             break
         except CacheUnusable as e:
             reason = str(e)
@@ -204,6 +236,6 @@ def load_from_cache(cfg: EngineConfig, lc: LoaderConfig | None):
     n = len(weights.tensors)
     log.info(errors.MAPPED.format(count=n, mode=lc.mode))
     external = weights.nbytes if lc.mode == "zero_copy" else 0
-    report = LoadReport(f"the weight cache ({lc.mode})", 0.0, n, weights.nbytes, external_bytes=external,
+    report = LoadReport(f"the weight cache ({lc.mode})", 0.0, n, weights.nbytes, external_bytes=external, phases=phases,
                         keepalive=[lease] if lease else [])
     return weights, report

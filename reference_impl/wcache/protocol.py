@@ -31,8 +31,9 @@ def encode(obj: dict) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def send_frame(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
-    data = encode(obj)
+def send_frame(sock: socket.socket, obj: dict | bytes, fds: list[int] = ()) -> None:
+    """Send a frame (a dict, or bytes already made by ``encode``) with optional descriptors."""
+    data = obj if isinstance(obj, bytes) else encode(obj)
     if fds:
         # Descriptors ride on the first byte(s); the rest of the frame follows normally.
         sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])

@@ -1,0 +1,152 @@
+"""The CUDA transport on a real GPU: run with `make test-gpu` (or `pytest -m gpu`) on any CUDA host.
+
+On a machine without CUDA every test here is skipped, with the reason printed by `-ra`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+
+import pytest
+import torch
+from procs import Processes, complete
+
+from wcache.checkpoint import make_checkpoint
+from wcache.config import EngineConfig
+from wcache.engine import load_weights
+from wcache.errors import REASONS
+from wcache.loader import LoaderConfig, load_from_cache
+from wcache.protocol import recv_frame, reply, send_frame
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run `make test-gpu` on a GPU host)"),
+]
+
+
+@pytest.fixture
+def gpu(tmp_path, wcache_env):
+    p = Processes(tmp_path, wcache_env, device="cuda")
+    yield p
+    p.stop_all()
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", "small")
+
+
+def _ids(port):
+    return complete(port, "GPU parity", 12)["choices"][0]["token_ids"]
+
+
+def test_outputs_identical_from_disk_zero_copy_and_copy(gpu, tiny_model):
+    disk = gpu.serve(tiny_model)
+    expected = _ids(disk.port)
+    disk.stop()
+    gpu.preload(tiny_model)
+    zero = gpu.serve(tiny_model, "--load-format", "ipc_cache")
+    assert "(zero_copy mode)" in zero.log()
+    assert _ids(zero.port) == expected
+    zero.stop()
+    copy = gpu.serve(tiny_model, "--load-format", "ipc_cache", "--model-loader-extra-config", '{"mode": "copy"}')
+    assert "(copy mode)" in copy.log()
+    assert _ids(copy.port) == expected
+    after = gpu.serve(tiny_model, "--load-format", "ipc_cache")
+    assert "Weight cache unusable (Weights were released); falling back to disk loading" in after.log()
+    assert _ids(after.port) == expected
+
+
+def _free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_zero_copy_does_not_allocate_the_weights(gpu, small_model):
+    cfg = EngineConfig.build(str(small_model), device="cuda")
+    torch.empty(1, device="cuda")
+    gpu.preload(small_model)
+    before = _free_bytes()
+    weights, report = load_weights(cfg, "ipc_cache", LoaderConfig())
+    used_zero_copy = before - _free_bytes()
+    assert report.source == "the weight cache (zero_copy)"
+    size = report.nbytes
+    for lease in report.keepalive:
+        lease.close()
+    del weights
+    before = _free_bytes()
+    weights, _ = load_weights(cfg, "safetensors")
+    used_disk = before - _free_bytes()
+    del weights
+    torch.cuda.empty_cache()
+    print(f"weights {size/2**20:.0f} MiB: device memory used by zero_copy {used_zero_copy/2**20:.0f} MiB, "
+          f"by a disk load {used_disk/2**20:.0f} MiB")
+    assert used_zero_copy < 0.1 * size
+    assert used_disk > 0.9 * size
+
+
+def test_copy_mode_release_returns_the_daemons_memory(gpu, small_model, wcache_env):
+    cfg = EngineConfig.build(str(small_model), device="cuda")
+    torch.empty(1, device="cuda")
+    base = _free_bytes()
+    gpu.preload(small_model)
+    held = base - _free_bytes()
+    # An earlier engine maps the weights and exits: with torch's IPC refcounts this pinned the
+    # exporter's memory forever. Our lease ends with the connection.
+    first = gpu.serve(small_model, "--load-format", "ipc_cache")
+    first.stop()
+    before_copy = _free_bytes()
+    weights, report = load_weights(cfg, "ipc_cache", LoaderConfig(mode="copy"))
+    assert report.source == "the weight cache (copy)"
+    after_copy = _free_bytes()
+    print(f"daemon held {held/2**20:.0f} MiB; engine copy {report.nbytes/2**20:.0f} MiB; "
+          f"free before copy {before_copy/2**20:.0f}, after {after_copy/2**20:.0f} MiB")
+    # The engine now owns one copy and the daemon freed its own: net change is near zero.
+    assert abs(before_copy - after_copy) < 0.25 * report.nbytes
+    del weights
+
+
+def test_dtype_mismatch_is_named(gpu, tiny_model):
+    gpu.preload(tiny_model)
+    eng = gpu.serve(tiny_model, "--dtype", "float32", "--load-format", "ipc_cache")
+    assert "WeightCacheKey mismatch on fields: ['dtype']" in eng.log()
+
+
+def test_gpu_uuid_mismatch_is_named(tiny_model, wcache_env, tmp_path):
+    """A daemon that answers for another GPU (wrong socket mapping) is refused by UUID."""
+    path = tmp_path / "fake.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def fake_daemon():
+        conn, _ = srv.accept()
+        recv_frame(conn)
+        send_frame(conn, reply(True, arena={"kind": "cuda_ipc", "size": 4096, "handle": ""}, tensors=[],
+                               aliases={}, attrs={}, device_id="GPU-00000000-0000-0000-0000-000000000000"))
+        conn.close()
+
+    threading.Thread(target=fake_daemon, daemon=True).start()
+    cfg = EngineConfig.build(str(tiny_model), device="cuda")
+    weights, report = load_from_cache(cfg, LoaderConfig(socket_path=str(path)))
+    assert weights is None
+    assert report.fallback_reason.startswith("Daemon GPU GPU-00000000-0000-0000-0000-000000000000 != engine GPU GPU-")
+    srv.close()
+
+
+def test_fallback_when_no_daemon(gpu, tiny_model):
+    eng = gpu.serve(tiny_model, "--load-format", "ipc_cache")
+    assert "Weight cache unusable (no daemon socket at" in eng.log()
+
+
+def test_zero_copy_engine_keeps_serving_after_the_daemon_is_killed(gpu, tiny_model):
+    daemon = gpu.preload(tiny_model)
+    eng = gpu.serve(tiny_model, "--load-format", "ipc_cache")
+    before = _ids(eng.port)
+    daemon.kill_group()  # SIGKILL the launcher and its rank
+    after = _ids(eng.port)
+    print(json.dumps({"zero_copy_after_daemon_sigkill": "served", "same_output": before == after}))
+    assert before == after
