@@ -30,6 +30,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="model revision recorded in the cache key")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "ipc_cache"],
                    help="where weights come from; ipc_cache maps them from the weight cache daemon")
+    p.add_argument("--enable-autotune", action=argparse.BooleanOptionalAction, default=True,
+                   help="load the tuned projection kernels from the autotune cache, or tune and save them")
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return v
+
+
+def _size(text: str) -> int:
+    from .memory import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
+    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+                       help="share of the device for weights (the daemon's included), activations and the "
+                            "KV cache (default 0.9)")
+    serve.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
+                       help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
+                            "e.g. 8GiB (default: the host's physical memory)")
 
     from .launcher import add_preload_args
 
@@ -90,7 +117,9 @@ def cmd_serve(args) -> int:
     # Listen before loading so /health answers 503 while weights load (readiness probes).
     server = EngineServer((args.host, args.port), None, args.model)
     log.info("Serving on http://%s:%d (health 503 until weights are loaded)", args.host, args.port)
-    engine = Engine(cfg, args.load_format, loader_config, args.max_model_len)
+    engine = Engine(cfg, args.load_format, loader_config, args.max_model_len,
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    cpu_memory_capacity=args.cpu_memory_capacity, enable_autotune=args.enable_autotune)
     server.engine, server.ready = engine, True
     log.info("Engine ready: POST http://%s:%d/v1/completions", args.host, args.port)
     run_until_signal(server, on_stop=getattr(engine, "close", None))

@@ -21,7 +21,8 @@ from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .config import EngineConfig, Ranks
-from .errors import PreloadConfigError, UnsupportedQuantForIPCError
+from .errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
+from .seed import preload_seed_settings
 from .sockets import prepare_socket_dir
 
 log = logging.getLogger("wcache.preload")
@@ -38,6 +39,16 @@ def add_preload_args(p) -> None:
                    help="serve GET /health on this port: 200 once every rank serves, else 503 (default: off)")
     g.add_argument("--weight-cache-health-host", default="0.0.0.0", metavar="HOST",
                    help="address for the health endpoint")
+    s = p.add_argument_group("autotune seeding (see docs/autotune.md)")
+    s.add_argument("--weight-cache-seed-listen", default=None, metavar="HOST:BASE_PORT",
+                   help="serve this daemon's tuned autotune cache to new replicas; rank g listens on "
+                        "BASE_PORT + g (needs --weight-cache-seed-token)")
+    s.add_argument("--weight-cache-seed-token", default=None, metavar="TOKEN",
+                   help="shared secret of a seed and its replicas, at least 16 characters "
+                        "(default: $WCACHE_SEED_TOKEN)")
+    s.add_argument("--weight-cache-seed", default=None, metavar="HOST:PORT[,...]",
+                   help="pull the autotune cache from a running daemon before tuning: one address per "
+                        "local rank, in local rank order")
 
 
 class Health:
@@ -99,6 +110,7 @@ def run_preload(args) -> int:
     if not cfg.quant.supports_pre_processed_weights:
         raise UnsupportedQuantForIPCError(cfg.quant.name)
     prepare_socket_dir(args.weight_cache_socket_dir, create=True)
+    seeding = preload_seed_settings(args)
 
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -112,7 +124,13 @@ def run_preload(args) -> int:
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
-    ranks = [RankProcess(r, spec) for r in plan_local_ranks(args)]
+    spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
+                seed_token=seeding["seed_token"])
+    planned = plan_local_ranks(args)
+    seeds = seeding["seeds"]
+    if seeds is not None and len(seeds) != len(planned):
+        raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
+    ranks = [RankProcess(r, {**spec, "seed": seeds[i] if seeds else None}) for i, r in enumerate(planned)]
     try:
         code = _await_ready(ranks, stop)
         if code is not None:

@@ -97,6 +97,8 @@ class Linear(nn.Module):
         w = self.quant.dequantize(self._buffers, self.compute_dtype)
         if self.impl == "matmul_t":
             return torch.matmul(x, w.t())
+        if callable(self.impl):  # a winner of the autotune pass (wcache.autotune): fn(x, w)
+            return self.impl(x, w)
         return F.linear(x, w)
 
 
@@ -260,9 +262,12 @@ def bind_weights(model: Llama, tensors: dict[str, torch.Tensor]) -> Llama:
     return model
 
 
-def generate(model: Llama, prompt_ids: list[int], max_tokens: int, eos_id: int | None = None) -> list[int]:
-    """Greedy decoding on a single-stage model (TP ranks run this in lockstep)."""
-    cache = model.new_cache(len(prompt_ids) + max_tokens)
+def generate(model: Llama, prompt_ids: list[int], max_tokens: int, eos_id: int | None = None, cache=None) -> list[int]:
+    """Greedy decoding on a single-stage model (TP ranks run this in lockstep). ``cache``: a KV
+    cache of at least len(prompt_ids) + max_tokens positions to reuse (the engine's, sized by its
+    memory budget); by default one is allocated for this request."""
+    if cache is None:
+        cache = model.new_cache(len(prompt_ids) + max_tokens)
     tokens = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
     out: list[int] = []
     start = 0

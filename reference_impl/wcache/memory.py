@@ -1,0 +1,261 @@
+"""Memory accounting: how much of the device the engine may use, and what is left for the KV cache.
+
+The budget is ``--gpu-memory-utilization`` x the device's capacity (on CPU, ``--cpu-memory-capacity``,
+default the host's physical memory, so CI runs the very same arithmetic). It must hold
+
+    own weights + externally held weights + activation peak + KV cache
+
+* own weights: tensors this process allocated (a disk load, or a copy-mode clone);
+* externally held weights: what the weight-cache daemon holds for this engine in zero_copy mode,
+  as the daemon reports it (``get_memory``: exactly the cached tensor bytes, not everything the
+  daemon process allocated). Counted once: after a copy or a disk fallback the engine maps nothing
+  of the daemon's, so they are 0 and the weights count as its own;
+* activation peak: measured by a real forward pass over ``max_model_len`` dummy tokens (CUDA: the
+  allocator's peak; CPU: live tensor bytes followed op by op, see ``PeakTracker``);
+* KV cache: the rest, in whole tokens of ``kv_bytes_per_token``.
+
+When the external weights alone exceed the budget the engine refuses to start
+(``ExternalWeightsExceedBudgetError``): no setting of the engine's own can fix that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
+
+log = logging.getLogger("wcache.memory")
+
+DEFAULT_UTILIZATION = 0.9
+HELD_OUTSIDE = "Weights are held outside this process: {external} by the weight cache daemon; {split}"
+BUDGET = "Memory budget: {split}"
+PLAN_JSON = "Memory plan (bytes): {json}"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_HELP = "bytes, or a number with a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB"
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"`` -> 8589934592; plain integers are bytes. ValueError (with the accepted forms) otherwise."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: give {SIZE_HELP}")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return n
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_capacity(device: torch.device, cpu_capacity: int | None = None) -> int:
+    """Total memory of the device: the GPU's, or on CPU the flag's value, else physical memory."""
+    if device.type == "cuda":
+        if cpu_capacity is not None:
+            log.warning("--cpu-memory-capacity applies to --device cpu only; using the GPU's capacity")
+        return torch.cuda.mem_get_info(device)[1]
+    return cpu_capacity if cpu_capacity is not None else host_memory_bytes()
+
+
+def kv_bytes_per_token(shape, dtype: torch.dtype) -> int:
+    """Key and value of one token in every layer of this rank's stage (its KV heads only)."""
+    kv_heads = shape.num_kv_heads // shape.tp_size
+    return 2 * len(shape.layer_range) * kv_heads * shape.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    capacity: int
+    utilization: float
+    own_weights: int
+    external_weights: int
+    activation_peak: int
+    kv_bytes_per_token: int
+
+    @property
+    def budget(self) -> int:
+        return int(self.capacity * self.utilization)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """What is left for the KV cache (negative when the rest does not even fit)."""
+        return self.budget - self.own_weights - self.external_weights - self.activation_peak
+
+    @property
+    def kv_tokens(self) -> int:
+        if self.kv_bytes_per_token == 0:  # a pipeline stage without layers keeps no KV cache
+            return 1 << 62
+        return max(0, self.kv_cache_bytes) // self.kv_bytes_per_token
+
+    def split(self) -> str:
+        kv = max(0, self.kv_cache_bytes)
+        return (f"budget {self.utilization:g} x {format_bytes(self.capacity)} = {format_bytes(self.budget)} = "
+                f"own weights {format_bytes(self.own_weights)} + external weights "
+                f"{format_bytes(self.external_weights)} + activation peak {format_bytes(self.activation_peak)} + "
+                f"KV cache {format_bytes(kv)} ({self.kv_tokens} tokens of {format_bytes(self.kv_bytes_per_token)})")
+
+    def as_json(self) -> str:
+        return json.dumps({**asdict(self), "budget": self.budget, "kv_cache_bytes": self.kv_cache_bytes,
+                           "kv_tokens": self.kv_tokens}, sort_keys=True)
+
+
+def external_weights(report) -> int:
+    """Bytes the daemon holds for this engine: 0 unless the weights are mapped (zero_copy). Asked
+    from the daemon over the engine's open lease connection; its mapped size if the daemon cannot say."""
+    if not report.external_bytes:
+        return 0
+    lease = report.keepalive[0] if report.keepalive else None
+    try:
+        answer, fds = lease.call("get_memory")
+        for fd in fds:
+            os.close(fd)
+        held = answer["weights_bytes"]
+        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+            raise ValueError(f"weights_bytes {held!r}")
+        return held
+    except Exception as e:  # noqa: BLE001 - any failure: count what we mapped instead
+        log.warning("The weight cache daemon did not report its memory (%s); counting the %s mapped",
+                    e, format_bytes(report.external_bytes))
+        return report.external_bytes
+
+
+def check_external(capacity: int, utilization: float, external: int) -> None:
+    """Fail before profiling when the daemon's weights alone do not fit the budget."""
+    budget = int(capacity * utilization)
+    if external > budget:
+        if external < capacity:
+            needed = math.ceil(external / capacity * 100) / 100  # external / capacity, rounded up to 0.01
+            fix = ExternalWeightsExceedBudgetError.FIX_RAISE.format(needed=f"{needed:.2f}")
+        else:
+            fix = ExternalWeightsExceedBudgetError.FIX_SMALL
+        raise ExternalWeightsExceedBudgetError(
+            external=format_bytes(external), utilization=f"{utilization:g}", capacity=format_bytes(capacity),
+            budget=format_bytes(budget), fix=fix)
+
+
+class PeakTracker(TorchDispatchMode):
+    """The peak of live tensor bytes created while the mode is active (the CPU activation peak).
+
+    Every tensor an op returns is counted by its storage (views share one); a storage leaves the
+    count when the last tensor on it is garbage-collected. Storages that existed before (weights,
+    the KV cache) are never counted, even when an op returns a view of them.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, list[int]] = {}  # storage data_ptr -> [tensor count, bytes]
+        self.external: set[int] = set()
+        self.live = 0
+        self.peak = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled; keeping torch from wrapping __torch_dispatch__ in a dynamo guard
+        # saves the seconds its first import of torch._dynamo costs every engine start.
+        return False
+
+    def _drop(self, key: int) -> None:
+        entry = self.refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.refs[key]
+            self.live -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key not in self.refs:
+                    self.external.add(key)
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or (key in self.external and key not in self.refs):
+                continue
+            entry = self.refs.get(key)
+            if entry is None:
+                entry = self.refs[key] = [0, storage.nbytes()]
+                self.live += entry[1]
+                self.peak = max(self.peak, self.live)
+            entry[0] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+
+def measure_activation_peak(model, tokens: int) -> int:
+    """Bytes of activations at the peak of one forward pass over ``tokens`` dummy tokens (a prefill of
+    the longest prompt the engine accepts). The KV cache it needs is allocated first and not counted."""
+    s = model.shape
+    device = model.device
+    cache = model.new_cache(tokens)
+    if s.first_stage:
+        x = torch.randint(0, s.vocab_size, (tokens,), device=device)
+    else:
+        x = torch.randn(tokens, s.hidden_size, device=device).to(model.dtype)
+    # Collectives of a tensor-parallel engine would need every rank in step; the activations are
+    # the same without them.
+    saved = [(b.attn.all_reduce, b.mlp.all_reduce) for b in model.layers.values()]
+    model.set_all_reduce(lambda t: t)
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            model(x, 0, cache)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with PeakTracker() as tracker:
+                model(x, 0, cache)
+            peak = tracker.peak
+    finally:
+        for b, (a, m) in zip(model.layers.values(), saved):
+            b.attn.all_reduce, b.mlp.all_reduce = a, m
+        del cache, x
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return int(peak)
+
+
+def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, max_positions: int) -> int:
+    """The longest sequence the engine serves: the requested (or default) length, at most what the
+    KV cache budget holds. An explicit --max-model-len that does not fit is an error."""
+    tokens = plan.kv_tokens
+    if tokens < 1:
+        raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split()))
+    want = min(requested or default, max_positions)
+    if requested is not None and tokens < want:
+        raise KVCacheBudgetError(KVCacheBudgetError.TOO_LONG.format(length=want, tokens=tokens, split=plan.split()))
+    if tokens < want:
+        log.warning("Max model length %d lowered to %d: the KV cache budget holds no more tokens", want, tokens)
+    return min(want, tokens)

@@ -1,0 +1,248 @@
+"""Seeding between daemons: a running daemon serves its tuned autotune cache over TCP, and a new
+replica's daemon pulls it instead of tuning again.
+
+Source: ``--weight-cache-seed-listen HOST:BASE_PORT --weight-cache-seed-token TOKEN``; rank g
+listens on BASE_PORT + g. Replica: ``--weight-cache-seed HOST:PORT[,...]``, one address per local
+rank in local-rank order, with the same token. The replica dials before its own autotune pass;
+whatever goes wrong (unreachable, wrong token, another configuration, no cache on the source) is
+logged with its own message and the replica tunes locally.
+
+Wire format: one request and one reply per connection, each an 8-byte big-endian length and a JSON
+object (``wcache.protocol``; no pickle). The token is compared in constant time (HMAC compare of
+SHA-256 digests, so not even its length leaks) before the request's command is looked at. Only
+read-only fetches exist (``ping``, ``get_autotune``). Requests are bounded to ``MAX_REQUEST_BYTES``,
+replies to the autotune cache size limit, connections to ``MAX_CONNECTIONS`` at a time and
+``TIMEOUT_S`` each. A peer address that sent ``BAD_TOKEN_LIMIT`` bad tokens within
+``BAD_TOKEN_WINDOW_S`` is refused until the window passes, and every bad token costs its sender
+``BAD_TOKEN_DELAY_S``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from . import autotune
+from .config import EngineConfig
+from .errors import SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
+from .protocol import ProtocolError, recv_frame, reply, request, send_frame
+
+log = logging.getLogger("wcache.seed")
+
+SERVED_OPS = ("ping", "get_autotune")
+MAX_REQUEST_BYTES = 64 << 10
+MAX_CONNECTIONS = 16
+TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+BAD_TOKEN_LIMIT = 5
+BAD_TOKEN_WINDOW_S = 60.0
+BAD_TOKEN_DELAY_S = 0.2
+MIN_TOKEN_CHARS = 16
+TOKEN_ENV = "WCACHE_SEED_TOKEN"
+
+
+# -- flags ---------------------------------------------------------------------------------------
+def parse_address(value: str, flag: str) -> tuple[str, int]:
+    host, sep, port = str(value).strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise SeedConfigError(SeedConfigError.BAD_ADDRESS.format(flag=flag, value=value))
+    return host, int(port)
+
+
+def preload_seed_settings(args) -> dict:
+    """The seeding part of a rank spec from `wcache preload` flags, validated before any rank starts."""
+    token = args.weight_cache_seed_token or os.environ.get(TOKEN_ENV) or None
+    listen = seeds = None
+    if args.weight_cache_seed_listen:
+        if not token:
+            raise SeedConfigError(SeedConfigError.LISTEN_WITHOUT_TOKEN)
+        listen = parse_address(args.weight_cache_seed_listen, "--weight-cache-seed-listen")
+    if args.weight_cache_seed:
+        if not token:
+            raise SeedConfigError(SeedConfigError.SEED_WITHOUT_TOKEN)
+        seeds = [f"{h}:{p}" for h, p in (parse_address(a, "--weight-cache-seed")
+                                         for a in args.weight_cache_seed.split(",") if a.strip())]
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise SeedConfigError(SeedConfigError.SHORT_TOKEN.format(min=MIN_TOKEN_CHARS))
+    return {"seed_listen": list(listen) if listen else None, "seed_token": token, "seeds": seeds}
+
+
+def _digest(token) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else b"\0invalid").digest()
+
+
+# -- the source side -----------------------------------------------------------------------------
+class SeedServer:
+    """Serves one rank's autotune cache document (``get_doc()``; None when it has none)."""
+
+    def __init__(self, host: str, port: int, token: str, get_doc, rank: int):
+        self.address = f"{host}:{port}"
+        self.token_digest = _digest(token)
+        self.get_doc = get_doc
+        self.rank = rank
+        self.stop = threading.Event()
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.bad: dict[str, collections.deque] = {}
+        self.bad_lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as e:
+            self.sock.close()
+            raise SeedConfigError(SeedConfigError.PORT_IN_USE.format(address=self.address, error=e)) from None
+        self.sock.listen(64)
+        self.sock.settimeout(0.2)
+        self.thread = threading.Thread(target=self._accept, name="seed-server", daemon=True)
+
+    def start(self) -> "SeedServer":
+        self.thread.start()
+        log.info("Rank %d serves its autotune cache to seeding replicas on %s", self.rank, self.address)
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+        self.sock.close()
+
+    def _limited(self, peer: str) -> bool:
+        now = time.monotonic()
+        with self.bad_lock:
+            q = self.bad.get(peer)
+            while q and now - q[0] > BAD_TOKEN_WINDOW_S:
+                q.popleft()
+            if q is not None and not q:
+                del self.bad[peer]
+            return bool(q) and len(q) >= BAD_TOKEN_LIMIT
+
+    def _record_bad(self, peer: str) -> None:
+        with self.bad_lock:
+            self.bad.setdefault(peer, collections.deque()).append(time.monotonic())
+            if len(self.bad) > 4096:  # bound the table itself; forget the oldest entry
+                self.bad.pop(next(iter(self.bad)))
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.stop.is_set():
+                    return
+                continue
+            if not self.slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, addr[0]), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            conn.settimeout(TIMEOUT_S)
+            if self._limited(peer):
+                send_frame(conn, reply(False, error="rate_limited", message="too many bad tokens; retry later"))
+                return
+            try:
+                req, fds = recv_frame(conn, max_bytes=MAX_REQUEST_BYTES)
+            except (ProtocolError, EOFError) as e:
+                send_frame(conn, reply(False, error="protocol", message=str(e)[:200]))
+                return
+            for fd in fds:  # TCP carries none, but never keep one
+                os.close(fd)
+            # The token first: nothing else of the request is looked at without it.
+            if not hmac.compare_digest(_digest(req.get("token")), self.token_digest):
+                self._record_bad(peer)
+                log.warning("Seed request from %s with a bad token refused", peer)
+                time.sleep(BAD_TOKEN_DELAY_S)
+                send_frame(conn, reply(False, error="token", message="bad token"))
+                return
+            op = req.get("op")
+            if op not in SERVED_OPS:
+                send_frame(conn, reply(False, error="forbidden", message=f"only {list(SERVED_OPS)} are served "
+                                       "remotely"))
+                return
+            doc = self.get_doc()
+            if op == "ping":
+                send_frame(conn, reply(True, rank=self.rank, has_cache=doc is not None))
+                return
+            key = req.get("key")
+            if not isinstance(key, dict):
+                send_frame(conn, reply(False, error="protocol", message="get_autotune needs a key object"))
+                return
+            if doc is None:
+                send_frame(conn, reply(False, error="no_cache", message="this daemon has no autotune cache"))
+                return
+            fields = autotune.mismatched_fields(doc["key"], key)
+            if fields:
+                send_frame(conn, reply(False, error="mismatch", fields=fields[:64]))
+                return
+            send_frame(conn, reply(True, doc=doc))
+            log.info("Served the autotune cache (%d configs) to %s", len(doc["configs"]), peer)
+        except (OSError, ProtocolError):
+            pass
+        finally:
+            conn.close()
+            self.slots.release()
+
+
+# -- the replica side ----------------------------------------------------------------------------
+class SeedFailure(Exception):
+    def __init__(self, kind: str, **fields):
+        self.kind = kind
+        super().__init__(SEED_REASONS[kind].format(**fields))
+
+
+def fetch(address: str, token: str, key: dict, timeout: float = CONNECT_TIMEOUT_S) -> dict:
+    """The source's cache document for ``key``; SeedFailure with the reason otherwise."""
+    host, port = parse_address(address, "--weight-cache-seed")
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise SeedFailure("unreachable", address=address, error=e) from None
+    try:
+        sock.settimeout(TIMEOUT_S)
+        send_frame(sock, request("get_autotune", token=token, key=key))
+        answer, _ = recv_frame(sock, max_bytes=autotune.MAX_CACHE_BYTES + 4096)
+    except (OSError, EOFError, ProtocolError) as e:
+        raise SeedFailure("protocol", address=address, detail=str(e) or type(e).__name__) from None
+    finally:
+        sock.close()
+    if not answer.get("ok"):
+        kind = answer.get("error")
+        if kind == "mismatch":
+            raise SeedFailure("mismatch", address=address, fields=answer.get("fields"))
+        if kind in ("token", "no_cache", "rate_limited"):
+            raise SeedFailure(kind, address=address)
+        raise SeedFailure("protocol", address=address, detail=f"{kind}: {str(answer.get('message'))[:200]}")
+    try:
+        return autotune.validate(answer.get("doc"), key)
+    except autotune.AutotuneError as e:
+        raise SeedFailure("protocol", address=address, detail=str(e)) from None
+
+
+def pull(cfg: EngineConfig, address: str, token: str) -> Path | None:
+    """Fetch this rank's cache from ``address`` and save it where the autotune pass will find it.
+    Returns the path, or None (after logging why) so the caller tunes locally."""
+    key = autotune.tune_key(cfg)
+    try:
+        doc = fetch(address, token, key)
+    except SeedFailure as e:
+        log.warning(SEED_FALLBACK.format(reason=e))
+        return None
+    path = autotune.cache_path(cfg, key)
+    try:
+        autotune.save(path, {**doc, "seeded_from": address})
+    except autotune.AutotuneError as e:
+        log.warning("Could not store the seeded autotune cache: %s", e)
+        return None
+    log.info(SEEDED.format(address=address, n=len(doc["configs"])))
+    return path

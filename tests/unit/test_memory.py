@@ -1,0 +1,125 @@
+"""Memory accounting in-process: sizes, the budget identity, the CPU activation tracker, the errors,
+and a real Engine sized by the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wcache import memory
+from wcache.config import EngineConfig, Ranks
+from wcache.disk import load_processed
+from wcache.engine import Engine
+from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
+from wcache.model import bind_weights, build_meta_model
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("text, n", [("1024", 1024), ("8GiB", 8 << 30), ("1.5 MiB", 3 << 19), ("2gb", 2 * 10**9),
+                                     ("512KiB", 512 << 10), ("7B", 7)])
+def test_parse_bytes(text, n):
+    assert memory.parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "8x", "-1GiB", "0", "GiB", "1e9"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="is not a"):
+        memory.parse_bytes(text)
+
+
+def test_format_bytes():
+    assert memory.format_bytes(0) == "0 B"
+    assert memory.format_bytes(1536) == "1.50 KiB"
+    assert memory.format_bytes(3 << 30) == "3.00 GiB"
+
+
+def test_kv_bytes_per_token_matches_the_allocated_cache(tiny_model):
+    for ranks in (Ranks(), Ranks(tp_size=2, tp_rank=1), Ranks(pp_size=2, pp_rank=1)):
+        cfg = EngineConfig.build(str(tiny_model), device="cpu", ranks=ranks)
+        model = build_meta_model(cfg.shape, cfg.quant, cfg.dtype)  # a meta cache has real sizes
+        real = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in model.new_cache(10)) // 10
+        assert memory.kv_bytes_per_token(cfg.shape, cfg.dtype) == real
+
+
+def test_plan_identity():
+    plan = memory.MemoryPlan("cpu", capacity=100 * MiB, utilization=0.5, own_weights=10 * MiB,
+                             external_weights=20 * MiB, activation_peak=3 * MiB, kv_bytes_per_token=1000)
+    assert plan.budget == 50 * MiB
+    assert plan.own_weights + plan.external_weights + plan.activation_peak + plan.kv_cache_bytes == plan.budget
+    assert plan.kv_tokens == (17 * MiB) // 1000
+    assert "budget 0.5 x 100.00 MiB = 50.00 MiB = own weights 10.00 MiB + external weights 20.00 MiB" in plan.split()
+    short = memory.MemoryPlan("cpu", 10 * MiB, 0.5, 4 * MiB, 0, 2 * MiB, 1000)
+    assert short.kv_cache_bytes < 0 and short.kv_tokens == 0
+
+
+def test_external_weights_exceed_budget_message():
+    with pytest.raises(ExternalWeightsExceedBudgetError) as e:
+        memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB)
+    assert str(e.value) == ("Externally held weights (6.00 MiB) exceed the desired GPU memory utilization "
+                            "(0.5 x 10.00 MiB = 5.00 MiB); raise --gpu-memory-utilization to at least 0.60")
+    with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the device's capacity"):
+        memory.check_external(capacity=10 * MiB, utilization=0.9, external=11 * MiB)
+    memory.check_external(capacity=10 * MiB, utilization=0.6, external=6 * MiB)  # fits exactly
+
+
+def test_peak_tracker_counts_new_storages_once():
+    outside = torch.zeros(MiB // 4)  # 1 MiB that exists before: never counted, even through views
+    with memory.PeakTracker() as t:
+        a = torch.zeros(MiB // 4)  # 1 MiB
+        b = a + 1  # 2 MiB live
+        v = a[10:]  # a view: no new bytes
+        w = outside[5:]  # a view of an outside tensor: not counted
+        del b
+        c = a * 2  # back to 2 MiB live, peak stays 2 MiB
+        d = outside + 0  # 3 MiB
+        del c, d, v, w
+    assert t.peak == 3 * MiB
+    assert t.live == MiB  # only `a` is still alive
+    del a
+    assert t.live == 0
+
+
+def test_activation_peak_is_measured_and_grows_with_tokens(tiny_model):
+    cfg = EngineConfig.build(str(tiny_model), device="cpu")
+    model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), load_processed(cfg, False).bindable())
+    small, large = memory.measure_activation_peak(model, 32), memory.measure_activation_peak(model, 256)
+    # At least the logits, the hidden state and the attention scores of one layer.
+    assert small >= 32 * cfg.shape.hidden_size * 2
+    assert large > 4 * small  # attention scores grow with T^2
+    assert memory.measure_activation_peak(model, 256) == large  # deterministic on CPU
+
+
+def test_max_model_len_from_the_budget():
+    plan = memory.MemoryPlan("cpu", 100 * MiB, 0.5, 0, 0, 0, MiB)  # 50 tokens fit
+    assert memory.size_max_model_len(plan, None, 2048, 512) == 50
+    assert memory.size_max_model_len(plan, 40, 2048, 512) == 40
+    with pytest.raises(KVCacheBudgetError, match=r"^--max-model-len 60 needs 60 KV cache tokens but the memory "
+                                                 r"budget holds 50: budget 0\.5 x"):
+        memory.size_max_model_len(plan, 60, 2048, 512)
+    empty = memory.MemoryPlan("cpu", 100 * MiB, 0.5, 50 * MiB, 0, 0, MiB)
+    with pytest.raises(KVCacheBudgetError, match=r"^No memory left for the KV cache: budget"):
+        memory.size_max_model_len(empty, None, 2048, 512)
+
+
+def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
+    """A real engine from disk: the plan adds up, the KV cache it allocates is the sized one, and a
+    request longer than the budget allows is refused by the HTTP layer's length check."""
+    cfg = EngineConfig.build(str(tiny_model), device="cpu")
+    weights = load_processed(cfg, False).nbytes
+    per_token = memory.kv_bytes_per_token(cfg.shape, cfg.dtype)
+    probe = Engine(cfg, "safetensors", enable_autotune=False)
+    act = probe.memory.activation_peak
+    assert probe.max_model_len == 512 and probe.memory.own_weights == weights and probe.memory.external_weights == 0
+    capacity = weights + act + 100 * per_token + 17  # room for exactly 100 tokens at utilization 1.0
+    engine = Engine(cfg, "safetensors", cpu_memory_capacity=capacity, gpu_memory_utilization=1.0,
+                    enable_autotune=False)
+    assert engine.memory.kv_tokens == 100 and engine.max_model_len == 100
+    assert sum(k.nbytes + v.nbytes for k, v in engine.kv_cache) == 100 * per_token
+    text, ids, _, n_prompt = engine.complete("Hello", 10)
+    assert len(ids) == 10 and n_prompt == 6
+    # Asking for 512 explicitly (the activation peak is the same as the probe's) is an error, not a cap.
+    with pytest.raises(KVCacheBudgetError, match="--max-model-len 512 needs 512 KV cache tokens but the memory "
+                                                 "budget holds 100"):
+        Engine(cfg, "safetensors", max_model_len=512, cpu_memory_capacity=capacity, gpu_memory_utilization=1.0,
+               enable_autotune=False)
