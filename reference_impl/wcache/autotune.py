@@ -149,7 +149,9 @@ def _device_name(cfg: EngineConfig) -> str:
 def tune_key(cfg: EngineConfig) -> dict:
     """Everything that can change a tuning result. DP rank and local rank are left out on purpose:
     DP replicas run the same shapes, so they share (and may seed) one file."""
-    from .device import device_arch  # torch.cuda queries; import late like the rest of device use
+    from .device import (
+        device_arch,  # torch.cuda queries; import late like the rest of device use
+    )
 
     s, r = cfg.shape, cfg.ranks
     return {

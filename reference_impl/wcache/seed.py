@@ -104,7 +104,7 @@ class SeedServer:
         self.sock.settimeout(0.2)
         self.thread = threading.Thread(target=self._accept, name="seed-server", daemon=True)
 
-    def start(self) -> "SeedServer":
+    def start(self) -> SeedServer:
         self.thread.start()
         log.info("Rank %d serves its autotune cache to seeding replicas on %s", self.rank, self.address)
         return self

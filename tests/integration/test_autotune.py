@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from procs import READY, complete
-
 from wcache.launcher import STARTUP_FAILED
 
 TUNED = re.compile(r"\[Autotuner\]: Tuned (\d+) configs in [\d.]+ s \((\d+) trials\); saved to (\S+\.json)")

@@ -10,7 +10,6 @@ import re
 
 from conftest import call, default_socket
 from procs import complete, http
-
 from wcache.config import EngineConfig
 from wcache.disk import load_processed
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from procs import READY, free_port
-
 from wcache import autotune, seed
 from wcache.cli import main as cli_main
 from wcache.config import EngineConfig

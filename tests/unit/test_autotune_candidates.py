@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from wcache import autotune
 from wcache.config import EngineConfig, Ranks
 from wcache.disk import load_processed
@@ -41,7 +40,11 @@ def test_selected_picks_the_bucket_winner():
     sel = autotune.Selected({1: "chunked2", 16: "linear"})
     assert [fn for _, fn in sel.fns] == [autotune.ALL["chunked2"], autotune.ALL["linear"]]
     seen = []
-    sel.fns = [(m, (lambda tag: lambda x, w: seen.append(tag))(m)) for m, _ in sel.fns]
+
+    def recorder(tag):
+        return lambda x, w: seen.append(tag)
+
+    sel.fns = [(m, recorder(m)) for m, _ in sel.fns]
     for t in (1, 5, 15, 16, 300):
         sel(torch.zeros(t, 4), torch.zeros(3, 4))
     assert seen == [1, 1, 1, 16, 16]

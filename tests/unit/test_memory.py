@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from wcache import memory
 from wcache.config import EngineConfig, Ranks
 from wcache.disk import load_processed
@@ -116,7 +115,7 @@ def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
                     enable_autotune=False)
     assert engine.memory.kv_tokens == 100 and engine.max_model_len == 100
     assert sum(k.nbytes + v.nbytes for k, v in engine.kv_cache) == 100 * per_token
-    text, ids, _, n_prompt = engine.complete("Hello", 10)
+    _, ids, _, n_prompt = engine.complete("Hello", 10)
     assert len(ids) == 10 and n_prompt == 6
     # Asking for 512 explicitly (the activation peak is the same as the probe's) is an error, not a cap.
     with pytest.raises(KVCacheBudgetError, match="--max-model-len 512 needs 512 KV cache tokens but the memory "
