@@ -65,13 +65,16 @@ def run_case(name, d_wrap, e_wrap, args, work: Path, port: int) -> dict:
         os.chmod(sock_dir, 0o777 if d_wrap != e_wrap else 0o700)
         if d_wrap == e_wrap:
             os.chown(sock_dir, 1000, 1000)
-    env = {**os.environ, "WCACHE_CACHE_ROOT": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
-    os.makedirs(work / "cache", exist_ok=True)
-    os.chmod(work / "cache", 0o777)
+    cache = work / f"cache-{abs(hash(name))}"  # fresh per case, owned by the daemon's user
+    cache.mkdir()
+    if d_wrap == NON_ROOT:
+        os.chown(cache, 1000, 1000)
+    env = {**os.environ, "WCACHE_CACHE_ROOT": str(cache), "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     daemon_cmd = f"{d_wrap} {py} -m wcache.cli preload --model {args.model} --device cuda " \
-                 f"--weight-cache-socket-dir {sock_dir}"
-    loader = json.dumps({"fallback": False, "socket_dir": str(sock_dir), "state_timeout_s": 30})
+                 f"--weight-cache-socket-dir {sock_dir} --weight-cache-transport {args.transport}"
+    loader = json.dumps({"fallback": False, "socket_dir": str(sock_dir), "state_timeout_s": 30,
+                         "transport": args.transport})
     engine_cmd = f"{e_wrap} {py} -m wcache.cli serve {args.model} --device cuda --host 127.0.0.1 --port {port} " \
                  f"--load-format ipc_cache --model-loader-extra-config '{loader}'"
     dlog, elog = work / "daemon.log", work / "engine.log"
@@ -107,23 +110,30 @@ def run_case(name, d_wrap, e_wrap, args, work: Path, port: int) -> dict:
                 if rejected:
                     result["daemon_log"] = rejected[-1].strip()
         finally:
-            os.killpg(engine.pid, signal.SIGKILL)
-            engine.wait()
+            _kill(engine, signal.SIGKILL)
     finally:
-        os.killpg(daemon.pid, signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
-            daemon.wait()
+        _kill(daemon, signal.SIGTERM)
     return result
+
+
+def _kill(proc: subprocess.Popen, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(30)
+    except ProcessLookupError:
+        proc.wait()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--transport", default="cuda_ipc", choices=["cuda_ipc", "vmm_fd"])
     ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--only", default=None, help="run only the cases whose name contains this text")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("ns_matrix: run as root (unshare and setpriv need it)")
@@ -131,12 +141,14 @@ def main() -> int:
     os.chmod(work, 0o755)
     rows = []
     for name, d, e in CASES:
+        if args.only and args.only not in name:
+            continue
         r = run_case(name, d, e, args, work, args.port)
         rows.append(r)
         print(json.dumps(r), flush=True)
     import torch
 
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    meta = {"transport": args.transport, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     try:
         meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                         capture_output=True, text=True).stdout.strip()

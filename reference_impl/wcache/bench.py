@@ -35,6 +35,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--model", required=True, help="model directory to time")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
+                   help="the daemon's --weight-cache-transport (CUDA only)")
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
@@ -74,10 +76,11 @@ def _timed_load(cfg, load_format, lc=None) -> tuple[float, object]:
 class DaemonUnderTest:
     """A real `wcache preload` in a private socket directory, for the length of a measurement."""
 
-    def __init__(self, model: str, device: str, dtype: str, socket_dir: Path):
+    def __init__(self, model: str, device: str, dtype: str, socket_dir: Path, transport: str = "auto"):
         self.socket_dir = socket_dir
         cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "WARNING", "preload", "--model", model,
-               "--device", device, "--dtype", dtype, "--weight-cache-socket-dir", str(socket_dir)]
+               "--device", device, "--dtype", dtype, "--weight-cache-socket-dir", str(socket_dir),
+               "--weight-cache-transport", transport]
         self.log = open(socket_dir.parent / "daemon.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 1800
@@ -122,11 +125,12 @@ def run_bench(args) -> int:
     zero_copy, copy, phases = [], [], []
     lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
     lc_copy = LoaderConfig(mode="copy", fallback=True, socket_dir=str(sockets))
-    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets)
+    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
     try:
         for _ in range(n):
             elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_zero)
             zero_copy.append(elapsed)
+            tensors_kind = report.transport
             phases.append(report.phases)
             for lease in report.keepalive:
                 lease.close()
@@ -136,7 +140,7 @@ def run_bench(args) -> int:
             # Copy mode releases the daemon's weights, so each sample gets a fresh daemon.
             if i:
                 daemon.stop()
-                daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets)
+                daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
             elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_copy)
             copy.append(elapsed)
             nbytes = report.nbytes
@@ -148,6 +152,7 @@ def run_bench(args) -> int:
            {"disk": disk, "zero_copy": zero_copy, "copy": copy}.items()}
     result = {
         "environment": env,
+        "transport": tensors_kind,
         "model": {"path": cfg.model, "tensors": tensors, "bytes": nbytes, "dtype": cfg.dtype_name},
         "repeat": n,
         "seconds": {**{k: round(v, 6) for k, v in med.items()},
@@ -178,6 +183,7 @@ def render_table(r: dict) -> str:
     lines = [
         f"wcache bench: {r['model']['tensors']} tensors, {r['model']['bytes'] / 2**20:.1f} MiB, "
         f"device {env['device']}, torch {env['torch']}, {env['date']}, median of {r['repeat']}",
+        f"transport: {r['transport']}",
         f"{'source':<26}{'weights ready (s)':>20}{'vs disk':>10}",
         f"{'disk (warm page cache)':<26}{s['disk']:>20.4f}{'1.0x':>10}",
         f"{'ipc_cache zero_copy':<26}{s['zero_copy']:>20.4f}{ratios['disk_over_zero_copy']:>9}x",

@@ -74,7 +74,7 @@ class RankDaemon:
 
         join_daemon_world(self.spec.get("world"), self.cfg.ranks, self.cfg.device, digest)
         weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
-        self.arena = make_arena(weights, self.cfg.torch_device)
+        self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
         self.aliases, self.attrs = weights.aliases, weights.attrs
         self.weights_bytes = weights.nbytes
         # The answer to get_state never changes: encode it once (10,000 entries take ms to encode).
@@ -232,8 +232,12 @@ class RankDaemon:
                     return reply(False, error="in_use", message=f"release refused: {others} engine(s) still "
                                  "map the weights in zero_copy mode"), []
                 if not self.released:
+                    try:
+                        self.arena.close()
+                    except Exception as e:  # a driver error must not kill the connection thread silently
+                        log.exception("Releasing the cached weights failed")
+                        return reply(False, error="release_failed", message=f"release failed: {e}"), []
                     self.released = True
-                    self.arena.close()
                     log.info("Released the cached weights at an engine's request (copy mode)")
                 return reply(True, released=True), []
         return reply(False, error="protocol", message=f"unknown request {str(op)[:64]!r}; "

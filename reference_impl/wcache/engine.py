@@ -30,15 +30,17 @@ class LoadReport:
     transport: str | None = None  # the arena kind a cache load came through (memfd, cuda_ipc, cuda_vmm_fd)
 
 
-def load_weights(cfg: EngineConfig, load_format: str = "auto", loader_config=None) -> tuple[ProcessedWeights, LoadReport]:
-    """Weights for this rank from the requested source, timed from start to bindable tensors."""
+def load_weights(cfg: EngineConfig, load_format: str = "auto", loader_config=None,
+                 draft: bool = False) -> tuple[ProcessedWeights, LoadReport]:
+    """Weights for this rank from the requested source, timed from start to bindable tensors.
+    ``draft``: a speculative draft model, served by the draft daemon group's ``_draft`` sockets."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"Unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
     t0 = time.perf_counter()
     if load_format == "ipc_cache":
         from .loader import load_from_cache  # the weight-cache client
 
-        weights, report = load_from_cache(cfg, loader_config)
+        weights, report = load_from_cache(cfg, loader_config, draft=draft)
         if weights is not None:
             report.seconds = time.perf_counter() - t0
             return weights, report

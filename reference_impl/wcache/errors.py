@@ -125,6 +125,7 @@ REASONS = {
     "protocol": "protocol error from the weight cache daemon: {detail}",
     "device": "Daemon GPU {daemon} != engine GPU {engine}; check the socket path / GPU mapping",
     "map": "Cannot map the weight cache daemon's memory: {error}",
+    "transport": "The weight cache daemon serves a {served} arena but the loader requires transport {wanted}",
 }
 
 # Kinds worth waiting for when fallback is off: the daemon may still be starting.

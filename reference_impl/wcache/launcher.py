@@ -39,6 +39,13 @@ def add_preload_args(p) -> None:
                    help="serve GET /health on this port: 200 once every rank serves, else 503 (default: off)")
     g.add_argument("--weight-cache-health-host", default="0.0.0.0", metavar="HOST",
                    help="address for the health endpoint")
+    g.add_argument("--weight-cache-transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
+                   help="how GPU weights are shared: vmm_fd (a CUDA VMM allocation passed as a file descriptor; "
+                        "crosses container namespaces), cuda_ipc (legacy CUDA IPC handle), or auto (vmm_fd when "
+                        "cuda-python's driver bindings are installed); CPU always uses a memfd")
+    from .ranks import add_daemon_port_args
+
+    add_daemon_port_args(g)
     s = p.add_argument_group("autotune seeding (see docs/autotune.md)")
     s.add_argument("--weight-cache-seed-listen", default=None, metavar="HOST:BASE_PORT",
                    help="serve this daemon's tuned autotune cache to new replicas; rank g listens on "
@@ -87,13 +94,24 @@ def start_health_server(host: str, port: int, health: Health) -> ThreadingHTTPSe
     return server
 
 
-def plan_local_ranks(args) -> list[Ranks]:
-    return [Ranks()]
+def plan_local_ranks(args, cfg):
+    """This node's daemon ranks and groups (target, plus the draft with a cached speculative
+    method), after validating the parallel flags; see ranks.py for the layout."""
+    from .ranks import plan_daemons
+
+    return plan_daemons(args, cfg)
+
+
+def _group_spec(spec: dict, group: dict, seed) -> dict:
+    if group.get("draft"):  # upstream skips the autotune pass for draft groups
+        return {**spec, **group, "autotune": False, "seed": None, "seed_listen": None}
+    return {**spec, **group, "seed": seed}
 
 
 class RankProcess:
     def __init__(self, ranks: Ranks, spec: dict):
         self.ranks = ranks
+        self.label = f"draft:{ranks.global_rank}" if spec.get("draft") else ranks.global_rank
         r, w = os.pipe()
         env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ranks": asdict(ranks), "ready_fd": w}))
         self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon"], env=env, pass_fds=(w,))
@@ -109,6 +127,8 @@ def run_preload(args) -> int:
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
     if not cfg.quant.supports_pre_processed_weights:
         raise UnsupportedQuantForIPCError(cfg.quant.name)
+    plan = plan_local_ranks(args, cfg)
+    log.info("Daemon plan: %s", plan.describe())
     prepare_socket_dir(args.weight_cache_socket_dir, create=True)
     seeding = preload_seed_settings(args)
 
@@ -122,15 +142,17 @@ def run_preload(args) -> int:
 
     spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
+            "transport": args.weight_cache_transport,
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"])
-    planned = plan_local_ranks(args)
+    planned = plan.layout.local_ranks()
     seeds = seeding["seeds"]
     if seeds is not None and len(seeds) != len(planned):
         raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
-    ranks = [RankProcess(r, {**spec, "seed": seeds[i] if seeds else None}) for i, r in enumerate(planned)]
+    ranks = [RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None))
+             for group in plan.groups for i, r in enumerate(planned)]
     try:
         code = _await_ready(ranks, stop)
         if code is not None:
@@ -145,7 +167,7 @@ def run_preload(args) -> int:
             if dead and not health.failed:
                 health.failed = True
                 log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
-                          {r.ranks.global_rank: r.proc.returncode for r in dead})
+                          {r.label: r.proc.returncode for r in dead})
         return 0
     finally:
         _stop_all(ranks)
@@ -168,7 +190,7 @@ def _await_ready(ranks: list[RankProcess], stop: threading.Event) -> int | None:
             if line:
                 r.info = json.loads(line)
                 pending.discard(r)
-        exited = {r.ranks.global_rank: r.proc.poll() for r in ranks if r.proc.poll() is not None}
+        exited = {r.label: r.proc.poll() for r in ranks if r.proc.poll() is not None}
         if exited:
             log.error(STARTUP_FAILED.format(codes=exited))
             first = next(iter(exited.values()))

@@ -32,7 +32,7 @@ from .fingerprint import cache_key
 from .postprocess import ProcessedWeights
 from .protocol import ProtocolError, close_fds, recv_frame, request, send_frame
 from .sockets import check_socket_file, prepare_socket_dir, socket_name
-from .transport import bind_views, open_arena
+from .transport import TRANSPORTS, bind_views, open_arena, resolve_transport
 
 log = logging.getLogger("wcache.loader")
 
@@ -52,6 +52,7 @@ class LoaderConfig:
     socket_path: str | None = None
     connect_timeout_s: float = 5.0
     state_timeout_s: float = 300.0
+    transport: str = "auto"  # wcache's own key: require cuda_ipc or vmm_fd; auto takes what the daemon serves
 
 
 LOADER_KEYS = {f.name: f.default for f in fields(LoaderConfig)}
@@ -74,6 +75,8 @@ def parse_loader_config(value: str | dict | None) -> LoaderConfig:
     v = dict(value)
     if v.get("mode", "zero_copy") not in MODES:
         raise LoaderConfigError(f"mode must be one of {list(MODES)}, got {v['mode']!r}")
+    if v.get("transport", "auto") not in TRANSPORTS:
+        raise LoaderConfigError(f"transport must be one of {list(TRANSPORTS)}, got {v['transport']!r}")
     if not isinstance(v.get("fallback", True), bool):
         raise LoaderConfigError(f"fallback must be true or false, got {v['fallback']!r}")
     for k in ("socket_dir", "socket_path"):
@@ -163,6 +166,10 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
         if answer.get("device_id") != engine_id:
             close_fds(fds)
             raise CacheUnusable("device", daemon=answer.get("device_id"), engine=engine_id)
+        served = phases["transport"] = (answer.get("arena") or {}).get("kind")
+        if lc.transport != "auto" and served != resolve_transport(lc.transport, cfg.torch_device):
+            close_fds(fds)
+            raise CacheUnusable("transport", served=served, wanted=lc.transport)
         try:
             mapped = open_arena(answer.get("arena") or {}, fds, cfg.torch_device)
         except ProtocolError as e:
@@ -236,6 +243,6 @@ def load_from_cache(cfg: EngineConfig, lc: LoaderConfig | None, draft: bool = Fa
     n = len(weights.tensors)
     log.info(errors.MAPPED.format(count=n, mode=lc.mode))
     external = weights.nbytes if lc.mode == "zero_copy" else 0
-    report = LoadReport(f"the weight cache ({lc.mode})", 0.0, n, weights.nbytes, external_bytes=external, phases=phases,
+    report = LoadReport(f"the weight cache ({lc.mode})", 0.0, n, weights.nbytes, external_bytes=external, transport=phases.pop("transport"), phases=phases,
                         keepalive=[lease] if lease else [])
     return weights, report

@@ -206,8 +206,62 @@ class CudaArena:
             self.ptr = None
 
 
-def make_arena(weights: ProcessedWeights, device: torch.device):
-    return CudaArena(weights, device) if device.type == "cuda" else CpuArena(weights)
+class CudaVmmArena:
+    """The daemon's device arena as a CUDA VMM allocation, exported once as a file descriptor."""
+
+    kind = "cuda_vmm_fd"
+
+    def __init__(self, weights: ProcessedWeights, device: torch.device):
+        from . import cuda_vmm
+
+        self.layout = plan_layout(weights.tensors, CUDA_ALIGN)
+        self.weights_bytes = weights.nbytes
+        self.device = device
+        self.alloc = cuda_vmm.create(self.layout.size, device)
+        arena = self.alloc.tensor(device)
+        for e in self.layout.entries:
+            t = weights.tensors[e["name"]].contiguous().view(-1).view(torch.uint8)
+            arena[e["offset"] : e["offset"] + t.numel()].copy_(t)
+        torch.cuda.synchronize(device)
+        self.fd = cuda_vmm.export_fd(self.alloc)
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    def descriptor(self) -> dict:
+        return {"kind": self.kind, "size": self.alloc.size}
+
+    def fds(self) -> list[int]:
+        return [self.fd]
+
+    def close(self) -> None:
+        # Drops the daemon's reference; the memory returns once every importer has released it too.
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            self.alloc.close()
+
+
+TRANSPORTS = ("auto", "cuda_ipc", "vmm_fd")
+
+
+def resolve_transport(choice: str, device: torch.device) -> str:
+    """The arena kind a daemon serves: memfd on CPU; on CUDA vmm_fd when the driver bindings are
+    installed (``auto``), else legacy CUDA IPC."""
+    if device.type != "cuda":
+        return CpuArena.kind
+    if choice == "auto":
+        from . import cuda_vmm
+
+        return CudaVmmArena.kind if cuda_vmm.available() else CudaArena.kind
+    return {"cuda_ipc": CudaArena.kind, "vmm_fd": CudaVmmArena.kind}[choice]
+
+
+def make_arena(weights: ProcessedWeights, device: torch.device, transport: str = "auto"):
+    kind = resolve_transport(transport, device)
+    return {CpuArena.kind: lambda: CpuArena(weights), CudaArena.kind: lambda: CudaArena(weights, device),
+            CudaVmmArena.kind: lambda: CudaVmmArena(weights, device)}[kind]()
 
 
 class MappedArena:
@@ -230,6 +284,18 @@ def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
             protocol_close(fds)
             raise ProtocolError(f"the daemon serves a CPU arena but this engine runs on {device}")
         return MappedArena(open_cpu_arena(desc, fds))
+    if kind == CudaVmmArena.kind:
+        if device.type != "cuda" or len(fds) != 1:
+            protocol_close(fds)
+            raise ProtocolError(f"expected one CUDA VMM descriptor for a {device} engine, got {len(fds)}")
+        size = desc.get("size")
+        if not isinstance(size, int) or size <= 0:
+            protocol_close(fds)
+            raise ProtocolError(f"bad arena size {size!r}")
+        from . import cuda_vmm
+
+        alloc = cuda_vmm.import_fd(fds[0], size, device)
+        return MappedArena(alloc.tensor(device), alloc.close)
     protocol_close(fds)
     if kind == CudaArena.kind:
         if device.type != "cuda":
