@@ -6,7 +6,9 @@ the checkpoint field is a digest of every byte of every shard (names without dir
 same weights in another directory still match). Hashing is one pass over the files; to keep a
 restart cheap, each file's digest is remembered under the cache root together with the file's
 identity (device, inode, size, mtime and ctime in nanoseconds). Any write to a file changes its
-ctime, which users cannot set, so a remembered digest is only reused for an untouched file.
+ctime, which users cannot set, so a remembered digest is only reused for an untouched file. A file
+changed within RACY_WINDOW_NS before it was hashed is not remembered: coarse timestamps (a jiffy
+on older kernels, a second on some filesystems) could give a later write the same ctime.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +32,7 @@ KEY_FIELDS = (
     "device_kind", "device_arch",
 )
 CHUNK = 16 << 20
+RACY_WINDOW_NS = 2_000_000_000
 
 
 def cache_root() -> Path:
@@ -63,6 +67,7 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> tuple[str, dict]:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
         memo = {}
+    started = time.time_ns()
     stats = {p.name: os.stat(p) for p in files}
     fresh = {n for n, st in stats.items() if memo.get(n, {}).get("identity") != _file_identity(st)}
     hashed = {}
@@ -72,7 +77,8 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> tuple[str, dict]:
     for n in fresh:
         memo[n] = {"identity": _file_identity(stats[n]), "sha256": hashed[n]}
     if fresh:
-        _atomic_write_json(memo_file, {n: memo[n] for n in stats})
+        settled = {n for n, st in stats.items() if max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_WINDOW_NS}
+        _atomic_write_json(memo_file, {n: memo[n] for n in stats if n in settled})
     h = hashlib.sha256()
     for n in sorted(stats):
         h.update(f"{n}\0{stats[n].st_size}\0{memo[n]['sha256']}\n".encode())

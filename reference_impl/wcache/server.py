@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -57,6 +58,14 @@ class EngineServer(ThreadingHTTPServer):
         self.model_name = model_name
         self.ready = engine is not None
         super().__init__(address, _Handler)
+        # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
+        self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.serving.start()
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return  # the client gave up (e.g. a probe's timeout): not worth a traceback
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -132,8 +141,10 @@ def run_until_signal(server: ThreadingHTTPServer, on_stop=None) -> None:
         stop.set()
 
     old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
+    thread = getattr(server, "serving", None)  # an EngineServer serves from its creation
+    if thread is None:
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        thread.start()
     try:
         while not stop.wait(0.2):
             if not thread.is_alive():

@@ -1,0 +1,106 @@
+"""Integration fixtures: module-scoped private environments and daemons, the small checkpoint, and
+a raw protocol client for talking to a live daemon."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from procs import Processes
+
+from wcache.checkpoint import make_checkpoint
+from wcache.device import device_identity
+from wcache.protocol import close_fds, recv_frame, request, send_frame
+from wcache.sockets import socket_name
+
+HERE = Path(__file__).parent
+
+
+def private_env(tmp_path_factory) -> tuple[dict, Path]:
+    """A short private TMPDIR (default socket dir) and cache root, for this process and children."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: sun_path holds 107 bytes
+    env = {**os.environ, "TMPDIR": str(tmp), "WCACHE_CACHE_ROOT": str(tmp_path_factory.mktemp("cache")),
+           "PYTHONUNBUFFERED": "1"}
+    return env, tmp
+
+
+@pytest.fixture(scope="session")
+def autotune_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("autotune")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_autotune_cache(autotune_dir):
+    """Daemons and engines tune once per configuration for the whole session, then load the result
+    (each fresh cache root would otherwise pay a multi-second autotune pass per daemon)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WCACHE_AUTOTUNE_CACHE_DIR", str(autotune_dir))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def module_env(tmp_path_factory):
+    """Like `wcache_env`, for a whole module (so one daemon can serve several tests)."""
+    env, tmp = private_env(tmp_path_factory)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TMPDIR", env["TMPDIR"])
+    mp.setenv("WCACHE_CACHE_ROOT", env["WCACHE_CACHE_ROOT"])
+    mp.setattr(tempfile, "tempdir", None)
+    yield env
+    mp.undo()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_procs(tmp_path_factory, module_env):
+    p = Processes(tmp_path_factory.mktemp("procs"), module_env)
+    yield p
+    p.stop_all()
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    """The `small` preset (about 470 MB): big enough that copies and maps differ measurably."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", "small")
+
+
+def default_socket(env: dict) -> Path:
+    return Path(env["TMPDIR"]) / f"wcache_{os.getuid()}" / socket_name(device_identity("cpu", 0))
+
+
+def call(path, op: str, timeout: float = 10.0, **fields) -> dict:
+    """One request on a fresh connection; descriptors that come back are closed."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        send_frame(s, request(op, **fields))
+        answer, fds = recv_frame(s)
+        close_fds(fds)
+        return answer
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The daemon rank processes a `wcache preload` launcher started (its children)."""
+    text = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wcache.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
