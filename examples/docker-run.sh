@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The weight cache daemon and the engine in two containers of one image (examples/Dockerfile).
+# docs/docker.md gives the reason for every flag. Settings, from the environment:
+#   MODEL_DIR    the model directory on the host (config.json and *.safetensors); required
+#   IMAGE        the image both containers run; default wcache:0.1.0
+#   PORT         the engine's HTTP port; default 8000
+#   HEALTH_PORT  the daemon's /health port; default 8001
+#   NAME         prefix of the container and volume names; default wcache
+set -euo pipefail
+: "${MODEL_DIR:?set MODEL_DIR to the model directory on the host}"
+IMAGE=${IMAGE:-wcache:0.1.0} PORT=${PORT:-8000} HEALTH_PORT=${HEALTH_PORT:-8001} NAME=${NAME:-wcache}
+
+# Two named volumes, mounted in both containers: the socket directory, and the cache root
+# (autotune results and checkpoint hashes, WCACHE_CACHE_ROOT=/var/cache/wcache in the image).
+docker volume create "$NAME-sockets"
+docker volume create "$NAME-cache"
+
+# The daemon: long-lived. It loads the weights once and serves them on a socket in a subdirectory
+# of the socket volume, which it creates itself (mode 0700, owned by its user).
+docker run -d --name "$NAME-daemon" \
+    --gpus all --ipc=host --pid=host --network host \
+    -v "$NAME-sockets:/run/wcache" -v "$NAME-cache:/var/cache/wcache" -v "$MODEL_DIR:/model:ro" \
+    --entrypoint wcache "$IMAGE" \
+    preload --model /model --weight-cache-socket-dir /run/wcache/sockets \
+    --weight-cache-health-port "$HEALTH_PORT"
+
+# Start the engine only once the daemon serves: an engine that starts earlier loads from disk
+# and keeps a second copy of the weights next to the daemon's.
+until curl -fs "http://127.0.0.1:$HEALTH_PORT/health"; do
+    if [ "$(docker inspect -f '{{.State.Running}}' "$NAME-daemon")" != true ]; then
+        docker logs "$NAME-daemon"
+        exit 1
+    fi
+    sleep 2
+done
+
+# The engine: same image, same user, same GPUs, same volumes. Docker restarts it whenever it
+# exits, and every new engine process maps the daemon's weights instead of reading the disk.
+docker run -d --name "$NAME-engine" --restart always \
+    --gpus all --ipc=host --pid=host --network host \
+    -v "$NAME-sockets:/run/wcache" -v "$NAME-cache:/var/cache/wcache" -v "$MODEL_DIR:/model:ro" \
+    "$IMAGE" /model --port "$PORT" --load-format ipc_cache \
+    --model-loader-extra-config '{"socket_dir": "/run/wcache/sockets"}'
