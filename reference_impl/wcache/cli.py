@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="model revision recorded in the cache key")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "ipc_cache"],
                    help="where weights come from; ipc_cache maps them from the weight cache daemon")
+    from .ranks import add_parallel_args
+
+    add_parallel_args(p)  # tensor/pipeline/data parallel, nodes, speculative draft
     p.add_argument("--enable-autotune", action=argparse.BooleanOptionalAction, default=True,
                    help="load the tuned projection kernels from the autotune cache, or tune and save them")
 
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the engine with an HTTP API")
     serve.add_argument("model", help="model directory (config.json + *.safetensors)")
     add_engine_args(serve)
+    from .ranks import add_serve_rank_args
+
+    add_serve_rank_args(serve)
     serve.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
                        help="ipc_cache loader settings as a JSON object (see the loader key table)")
     serve.add_argument("--host", default="0.0.0.0")
@@ -113,6 +119,12 @@ def cmd_serve(args) -> int:
     from .server import EngineServer, run_until_signal
 
     loader_config = parse_loader_config(args.model_loader_extra_config)
+    from .ranks import needs_workers
+
+    if needs_workers(args):  # several ranks, a data-parallel rank or a speculative draft: workers.py
+        from .workers import run_serve
+
+        return run_serve(args, loader_config)
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
     # Listen before loading so /health answers 503 while weights load (readiness probes).
     server = EngineServer((args.host, args.port), None, args.model)

@@ -220,9 +220,10 @@ class Llama(nn.Module):
         ]
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start: int, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache, all_positions: bool = False) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) in; hidden states or, on the
-        last stage, the logits of the final position out."""
+        last stage, the logits of the final position out (of every position with
+        ``all_positions``, which speculative decoding's verification step needs)."""
         if self.shape.first_stage:
             x = F.embedding(x, self.embed.weight)
         positions = torch.arange(start, start + x.shape[0], device=x.device)
@@ -231,6 +232,8 @@ class Llama(nn.Module):
             x = block(x, cos, sin, ck, cv, start)
         if not self.shape.last_stage:
             return x
+        if all_positions:
+            return F.linear(self.norm(x), self.lm_head.weight).float()
         return F.linear(self.norm(x[-1:]), self.lm_head.weight)[0].float()
 
 
