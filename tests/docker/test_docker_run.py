@@ -156,3 +156,29 @@ def test_without_the_cache_volume_the_engine_tunes_again(pair):
     assert loaded not in log  # ... but the daemon's tuning results are not: it tunes again
     counts = [int(n) for n in re.findall(trials, log)]
     assert counts and counts[0] > 0, log
+
+
+PEER_PROBE = """
+import glob, socket
+from wcache.protocol import recv_frame, request, send_frame
+s = socket.socket(socket.AF_UNIX)
+s.connect(glob.glob("/run/wcache/sockets/*.sock")[0])
+send_frame(s, request("get_memory"))
+print(recv_frame(s)[0])
+"""
+
+
+def test_the_daemon_checks_the_peers_uid_even_when_the_socket_is_reachable(pair):
+    # The second line of defence: open the directory and the socket to everyone for a moment, and
+    # a process of another uid can connect, but the daemon refuses it (SO_PEERCRED).
+    sock = docker("exec", pair.daemon, "sh", "-c", f"ls {SOCKET_DIR}/*.sock").stdout.strip()
+    docker("exec", pair.daemon, "chmod", "755", SOCKET_DIR)
+    docker("exec", pair.daemon, "chmod", "666", sock)
+    try:
+        r = docker("exec", "--user", "1000", pair.daemon, "python3", "-c", PEER_PROBE, check=False)
+    finally:
+        docker("exec", pair.daemon, "chmod", "700", SOCKET_DIR)
+        docker("exec", pair.daemon, "chmod", "600", sock)
+    rejected = errors.REASONS["rejected"].format(uid=1000)
+    assert "'error': 'rejected'" in r.stdout and rejected in r.stdout, r.stdout + r.stderr
+    assert rejected in logs(pair.daemon)
