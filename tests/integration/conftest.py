@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from procs import Processes
-
 from wcache.checkpoint import make_checkpoint
 from wcache.device import device_identity
 from wcache.protocol import close_fds, recv_frame, request, send_frame
@@ -94,7 +93,7 @@ def rank_pids(launcher_pid: int) -> list[int]:
 
 
 def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wcache.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "wcache.cli", *args], check=False, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -13,7 +13,6 @@ import json
 import sys
 
 import torch
-
 from wcache.config import EngineConfig
 from wcache.engine import load_weights
 from wcache.loader import LoaderConfig

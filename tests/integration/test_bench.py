@@ -6,7 +6,6 @@ import json
 
 import pytest
 from conftest import run_cli
-
 from wcache.bench import render_table
 
 

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from procs import free_port
-
 from wcache import cli
 from wcache.errors import SocketSecurityError, UnsupportedQuantForIPCError
 from wcache.loader import LOADER_KEYS
@@ -44,7 +43,7 @@ def processes(tiny_model, module_env):
     }
 
     def run(args):
-        p = subprocess.run([sys.executable, "-m", "wcache.cli", *args], env=module_env, capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "wcache.cli", *args], check=False, env=module_env, capture_output=True,
                            text=True, timeout=180)
         return p.returncode, p.stdout + p.stderr
 

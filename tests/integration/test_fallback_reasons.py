@@ -12,11 +12,15 @@ import threading
 import time
 
 import pytest
-
 from wcache.config import EngineConfig
 from wcache.device import device_identity
 from wcache.engine import load_weights
-from wcache.errors import SocketSecurityError, WeightCacheError, WeightCacheTimeoutError
+from wcache.errors import (
+    REASONS,
+    SocketSecurityError,
+    WeightCacheError,
+    WeightCacheTimeoutError,
+)
 from wcache.loader import LoaderConfig
 from wcache.protocol import recv_frame, reply, send_frame
 from wcache.sockets import socket_name
@@ -107,10 +111,13 @@ def test_protocol_error_from_a_daemon_of_another_protocol_version(cfg, caplog, f
         "protocol error from the weight cache daemon: protocol version 2 is not supported (this side speaks 1)")
 
 
-def test_protocol_error_from_a_daemon_that_hangs_up(cfg, caplog, fake):
+def test_a_daemon_that_hangs_up_mid_handoff(cfg, caplog, fake):
     path = fake(lambda conn: None)
-    assert fallback_reason(cfg, caplog, socket_path=str(path)) == (
-        "protocol error from the weight cache daemon: peer closed the connection")
+    if "lost" in REASONS:  # its own reason: the daemon died or stopped while answering
+        expected = REASONS["lost"].format(path=path, error="peer closed the connection")
+    else:
+        expected = REASONS["protocol"].format(detail="peer closed the connection")
+    assert fallback_reason(cfg, caplog, socket_path=str(path)) == expected
 
 
 def test_protocol_error_from_an_ok_without_an_arena(cfg, caplog, fake):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import call, wait_until
 from procs import READY
-
 from wcache.config import EngineConfig
 from wcache.device import device_identity
 from wcache.engine import load_weights

@@ -7,7 +7,6 @@ import os
 
 from conftest import call, default_socket
 from procs import _healthy, complete, free_port, http
-
 from wcache.device import device_identity
 from wcache.sockets import socket_name
 

@@ -27,7 +27,7 @@ def daemon(module_procs, small_model):
 
 
 def probe(model, env, *flags) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HERE / "engine_probe.py"), str(model), *flags], env=env,
+    return subprocess.run([sys.executable, str(HERE / "engine_probe.py"), str(model), *flags], check=False, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

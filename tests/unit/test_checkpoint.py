@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-
 from wcache import cli
-from wcache.checkpoint import PRESETS, hf_config, make_checkpoint, read_config, shard_files, tensor_shapes
+from wcache.checkpoint import (
+    PRESETS,
+    hf_config,
+    make_checkpoint,
+    read_config,
+    shard_files,
+    tensor_shapes,
+)
 
 TINY_FILES = {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
               "model.safetensors.index.json"}
@@ -24,7 +30,7 @@ def _tensors(d: Path) -> dict[str, tuple[tuple[int, ...], str, str]]:
     out = {}
     for f in shard_files(d):
         with safe_open(str(f), framework="pt") as s:
-            for name in s.keys():
+            for name in s.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = s.get_slice(name)
                 out[name] = (tuple(t.get_shape()), t.get_dtype(), f.name)
     return out

@@ -9,10 +9,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
 from wcache import fingerprint
 from wcache.config import EngineConfig, Ranks
-from wcache.fingerprint import KEY_FIELDS, cache_key, checkpoint_digest, mismatched_fields
+from wcache.fingerprint import (
+    KEY_FIELDS,
+    cache_key,
+    checkpoint_digest,
+    mismatched_fields,
+)
 from wcache.protocol import PROTOCOL_VERSION
 
 
@@ -53,7 +57,7 @@ def test_a_single_changed_byte_anywhere_changes_the_key(ckpt):
 def test_a_zeroed_norm_tensor_changes_the_key(ckpt):
     """Upstream's open bug: same shapes, so the same header; only the values differ."""
     before = checkpoint_digest(ckpt)[0]
-    shard = next(f for f in ckpt.glob("*.safetensors") if "model.norm.weight" in safe_open(str(f), "pt").keys())
+    shard = next(f for f in ckpt.glob("*.safetensors") if "model.norm.weight" in safe_open(str(f), "pt").keys())  # noqa: SIM118
     size = shard.stat().st_size
     tensors = load_file(str(shard))
     tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])

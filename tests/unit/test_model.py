@@ -9,13 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-
 from wcache.checkpoint import read_config, shard_files
 from wcache.config import EngineConfig, Ranks
 from wcache.disk import load_processed
 from wcache.model import BindError, ModelShape, bind_weights, build_meta_model, generate
 from wcache.postprocess import fused_gate_up, fused_qkv, split_cols, split_rows
-from wcache.quant import METHODS, GroupInt4, Int8WeightOnly, QuantizationError, QuantMethod, resolve
+from wcache.quant import (
+    METHODS,
+    GroupInt4,
+    Int8WeightOnly,
+    QuantizationError,
+    QuantMethod,
+    resolve,
+)
 
 PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # BOS "Hello, world"
 
@@ -65,8 +71,8 @@ def reference_logits(raw: dict[str, torch.Tensor], cfg: dict, ids: list[int]) ->
     return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
 
 
-def build(model_dir, dtype="float32", quantization=None, ranks=Ranks()):
-    cfg = EngineConfig.build(str(model_dir), dtype, quantization, "cpu", ranks=ranks)
+def build(model_dir, dtype="float32", quantization=None, ranks=None):
+    cfg = EngineConfig.build(str(model_dir), dtype, quantization, "cpu", ranks=ranks or Ranks())
     weights = load_processed(cfg, show_progress=False)
     return bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable()), weights
 
@@ -182,7 +188,7 @@ def test_tp2_with_a_simulated_all_reduce_computes_tp1_logits(tiny_model):
             m = models[rank]
             m.set_all_reduce(all_reduce_for(rank))
             results[rank] = m(torch.tensor(PROMPT), 0, m.new_cache(len(PROMPT)))
-        except BaseException as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(e)
             barrier.abort()
 
@@ -238,7 +244,7 @@ def test_only_the_gptq_labelled_method_refuses_pre_processed_weights():
 def test_bind_weights_checks_names_shapes_and_dtypes(tiny_model):
     cfg = EngineConfig.build(str(tiny_model), "float32", None, "cpu")
     weights = load_processed(cfg, show_progress=False).bindable()
-    meta = lambda: build_meta_model(cfg.shape, cfg.quant, cfg.dtype)  # noqa: E731
+    meta = lambda: build_meta_model(cfg.shape, cfg.quant, cfg.dtype)
     model = bind_weights(meta(), weights)
     assert all(b.device.type == "cpu" for b in model.buffers())
     assert model.layers["1"].attn.qkv.weight is weights["layers.1.attn.qkv.weight"]  # bound, not copied

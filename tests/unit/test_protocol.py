@@ -10,9 +10,15 @@ import socket
 import struct
 
 import pytest
-
 from wcache import protocol
-from wcache.protocol import MAX_FDS, MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, recv_frame, send_frame
+from wcache.protocol import (
+    MAX_FDS,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+)
 
 
 def open_fds() -> int:
