@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import tokenizer
+from .errors import UserError
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     pass
 
 

@@ -45,7 +45,11 @@ def _file_identity(st: os.stat_result) -> list[int]:
 
 def _hash_file(path: Path) -> str:
     h = hashlib.sha256()  # SHA-NI makes it the fastest cryptographic hash here
-    with open(path, "rb", buffering=0) as f:
+    try:
+        f = open(path, "rb", buffering=0)
+    except OSError as e:
+        raise checkpoint.CheckpointError(f"Cannot read checkpoint file {path}: {e.strerror}") from None
+    with f:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):

@@ -14,6 +14,8 @@ import json
 
 import torch
 
+from .errors import UserError
+
 
 class QuantMethod:
     name = "none"
@@ -83,7 +85,7 @@ class GroupInt4(QuantMethod):
 METHODS: dict[str, type[QuantMethod]] = {"none": QuantMethod, "int8": Int8WeightOnly, "gptq": GroupInt4}
 
 
-class QuantizationError(Exception):
+class QuantizationError(UserError):
     pass
 
 

@@ -1,0 +1,23 @@
+"""Unreadable or incomplete checkpoints fail with a clear error, not a traceback."""
+
+import shutil
+
+import pytest
+
+from wcache.checkpoint import CheckpointError
+from wcache.cli import main
+from wcache.fingerprint import _hash_file
+
+
+def test_unreadable_file_is_named(tmp_path):
+    # A directory stands in for an unreadable shard: open() fails even for root.
+    with pytest.raises(CheckpointError, match=rf"Cannot read checkpoint file {tmp_path}: Is a directory"):
+        _hash_file(tmp_path)
+
+
+def test_missing_shard_exits_2_with_message(tiny_model, tmp_path, wcache_env, capsys):
+    broken = tmp_path / "missing"
+    shutil.copytree(tiny_model, broken)
+    sorted(broken.glob("*.safetensors"))[0].unlink()
+    assert main(["serve", str(broken), "--device", "cpu", "--port", "0"]) == 2
+    assert "are missing" in capsys.readouterr().err
