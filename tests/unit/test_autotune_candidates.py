@@ -27,6 +27,7 @@ def test_each_candidate_equals_f_linear(name, dtype):
         torch.testing.assert_close(out.float(), F.linear(x, w).float(), **autotune.tolerance(dtype))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-only candidates need a CUDA device")
 @pytest.mark.parametrize("name", sorted(set(autotune.CUDA_CANDIDATES) - set(autotune.CPU_CANDIDATES)))
 def test_each_cuda_candidate_equals_f_linear(name):
