@@ -132,8 +132,7 @@ def test_tp2_shards_serve_health_and_sigterm(procs, model32, expected, wcache_en
     # An engine rank that dies turns the engine's /health to 503, as a daemon rank does the launcher's.
     (worker,) = children(engine.pid)
     os.kill(worker, signal.SIGKILL)
-    wait_until(lambda: not _healthy(engine.port), what="engine /health 503")
-    assert http("GET", f"http://127.0.0.1:{engine.port}/health")[0] == 503
+    wait_until(lambda: http("GET", f"http://127.0.0.1:{engine.port}/health")[0] == 503, what="engine /health 503")
     assert WORKERS_EXITED.format(codes={1: -9}) in engine.log()
     assert engine.stop() == 0
 
