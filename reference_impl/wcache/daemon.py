@@ -30,7 +30,13 @@ from . import autotune, logs, seed
 from .config import EngineConfig, Ranks
 from .device import device_identity
 from .disk import load_processed
-from .errors import REASONS, AutotuneFailedError, UnsupportedQuantForIPCError, UserError
+from .errors import (
+    DAEMON_ERRORS,
+    REASONS,
+    AutotuneFailedError,
+    UnsupportedQuantForIPCError,
+    UserError,
+)
 from .fingerprint import cache_key, checkpoint_digest, mismatched_fields
 from .protocol import ProtocolError, close_fds, encode, recv_frame, reply, send_frame
 from .sockets import DaemonLock, prepare_socket_dir, socket_name
@@ -44,6 +50,12 @@ MODES = ("zero_copy", "copy")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 SOCKET_PATH_TOO_LONG = ("Socket path {path} is {n} bytes; Unix sockets allow at most {max}. "
                         "Use a shorter --weight-cache-socket-dir")
+MAX_REPORTED_FIELDS = 64  # a mismatch reply names at most this many fields, 128 characters of each
+# The daemon's log lines for each refusal (op, error kind, message), and for a request it failed on.
+REFUSED_LOG = "Refused request %r from pid %d (%s): %s"
+BUSY_LOG = "Refused a connection from pid %d (busy): %s"
+SOCKET_NOT_OURS = "Rank %d stopped; left %s alone: it is no longer the socket this daemon bound"
+CLIENT_FAILED_LOG = "Connection from pid %d failed; closed it"
 
 
 class RankDaemon:
@@ -156,7 +168,9 @@ class RankDaemon:
                 log.warning("accept failed: %s", e)
                 continue
             if not self.clients.acquire(blocking=False):
-                self._refuse(conn, "busy", f"the daemon is serving {MAX_CLIENTS} connections; retry shortly")
+                message = DAEMON_ERRORS["busy"].format(max=MAX_CLIENTS)
+                log.warning(BUSY_LOG, _peer_pid(conn), message)
+                self._refuse(conn, "busy", message)
                 continue
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 
@@ -172,6 +186,7 @@ class RankDaemon:
 
     def _client(self, conn: socket.socket) -> None:
         cid = id(conn)
+        pid = -1
         try:
             pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid != os.getuid():
@@ -193,10 +208,19 @@ class RankDaemon:
                     return
                 answer, fds = self._handle(cid, req)
                 send_frame(conn, answer, fds)
-                if isinstance(answer, dict) and not answer["ok"] and answer.get("error") == "protocol":
-                    return
+                if isinstance(answer, dict) and not answer["ok"]:
+                    log.warning(REFUSED_LOG, str(req.get("op"))[:64], pid, answer["error"], answer["message"])
+                    if answer["error"] == "protocol":
+                        _drain(conn)
+                        return
+                if cid in self.leases:
+                    # A zero_copy lease is this open connection for the engine's whole life: an idle
+                    # engine must not lose it to the request timeout (a release would then succeed).
+                    conn.settimeout(None)
         except (OSError, TimeoutError):
             pass
+        except Exception:  # one connection's failure must never reach the others
+            log.exception(CLIENT_FAILED_LOG, pid)
         finally:
             with self.lock:
                 self.leases.discard(cid)
@@ -208,12 +232,12 @@ class RankDaemon:
         if op == "get_state":
             key, mode = req.get("key"), req.get("mode", "zero_copy")
             if not isinstance(key, dict) or mode not in MODES:
-                return reply(False, error="protocol", message="get_state needs a key object and a mode of "
-                             f"{list(MODES)}"), []
+                return reply(False, error="protocol",
+                             message=DAEMON_ERRORS["bad_get_state"].format(modes=list(MODES))), []
             with self.lock:
                 if self.released:
                     return reply(False, error="released", message=REASONS["released"]), []
-                fields = mismatched_fields(self.key, key)
+                fields = [f[:128] for f in mismatched_fields(self.key, key)[:MAX_REPORTED_FIELDS]]
                 if fields:
                     return reply(False, error="mismatch", fields=fields,
                                  message=REASONS["mismatch"].format(fields=fields)), []
@@ -229,25 +253,26 @@ class RankDaemon:
             with self.lock:
                 others = len(self.leases - {cid})
                 if others:
-                    return reply(False, error="in_use", message=f"release refused: {others} engine(s) still "
-                                 "map the weights in zero_copy mode"), []
+                    return reply(False, error="in_use", message=DAEMON_ERRORS["in_use"].format(n=others)), []
                 if not self.released:
                     try:
                         self.arena.close()
                     except Exception as e:  # a driver error must not kill the connection thread silently
                         log.exception("Releasing the cached weights failed")
-                        return reply(False, error="release_failed", message=f"release failed: {e}"), []
+                        return reply(False, error="release_failed",
+                                     message=DAEMON_ERRORS["release_failed"].format(error=e)), []
                     self.released = True
                     log.info("Released the cached weights at an engine's request (copy mode)")
                 return reply(True, released=True), []
-        return reply(False, error="protocol", message=f"unknown request {str(op)[:64]!r}; "
-                     "expected get_state, get_memory or release"), []
+        return reply(False, error="protocol", message=DAEMON_ERRORS["unknown_op"].format(op=str(op)[:64])), []
 
     def shutdown(self, listener: socket.socket) -> None:
         listener.close()
+        removed = False
         try:
             if os.lstat(self.path).st_ino == self.inode:
                 os.unlink(self.path)
+                removed = True
         except OSError:
             pass
         self.flock.release()
@@ -255,7 +280,17 @@ class RankDaemon:
             self.seed_server.close()
         if self.arena is not None:
             self.arena.close()
-        log.info("Rank %d stopped; socket %s removed", self.rank, self.path)
+        if removed:
+            log.info("Rank %d stopped; socket %s removed", self.rank, self.path)
+        else:  # replaced or removed by someone else since we bound it: never unlink what is not ours
+            log.warning(SOCKET_NOT_OURS, self.rank, self.path)
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    try:
+        return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except OSError:
+        return -1
 
 
 def _drain(conn: socket.socket, limit: int = 1 << 20, seconds: float = 1.0) -> None:

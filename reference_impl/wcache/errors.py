@@ -104,6 +104,7 @@ SEED_REASONS = {
     "rate_limited": "The weight cache seed at {address} refuses this host for now: too many bad tokens",
     "protocol": "Bad reply from the weight cache seed at {address}: {detail}",
 }
+SEED_BUSY = "the seed daemon is serving {max} connections; retry shortly"
 SEED_FALLBACK = "{reason}; tuning locally"
 SEEDED = "Seeded the autotune cache from {address}: {n} configs"
 
@@ -126,10 +127,26 @@ REASONS = {
     "device": "Daemon GPU {daemon} != engine GPU {engine}; check the socket path / GPU mapping",
     "map": "Cannot map the weight cache daemon's memory: {error}",
     "transport": "The weight cache daemon serves a {served} arena but the loader requires transport {wanted}",
+    "busy": "The weight cache daemon at {path} is busy: {detail}",
+    "lost": ("The weight cache daemon at {path} closed the connection without answering ({error}); "
+             "it may have crashed or been stopped: see its log"),
 }
 
-# Kinds worth waiting for when fallback is off: the daemon may still be starting.
-RETRYABLE = {"no_socket", "refused"}
+# Kinds worth waiting for when fallback is off: the daemon may still be starting, have too many
+# connections for now, or be restarting after a crash.
+RETRYABLE = {"no_socket", "refused", "busy", "lost"}
+
+# What a daemon rank answers when it refuses a request ({"ok": false, "error": KIND, "message": ...}),
+# besides the REASONS texts it sends for "rejected", "mismatch" and "released". The last two are
+# the "protocol" kind's texts for a well-formed frame that is not a valid request (malformed frames
+# get the protocol module's own texts). The daemon also logs each refusal (daemon.REFUSED_LOG).
+DAEMON_ERRORS = {
+    "busy": "the daemon is serving {max} connections; retry shortly",
+    "in_use": "release refused: {n} engine(s) still map the weights in zero_copy mode",
+    "release_failed": "release failed: {error}",
+    "bad_get_state": "get_state needs a key object and a mode of {modes}",
+    "unknown_op": "unknown request {op!r}; expected get_state, get_memory or release",
+}
 
 
 class CacheUnusable(Exception):

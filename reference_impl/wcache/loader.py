@@ -120,11 +120,22 @@ class CacheClient:
 
     def call(self, op: str, **fields) -> tuple[dict, list[int]]:
         try:
-            send_frame(self.sock, request(op, **fields))
-            answer, fds = recv_frame(self.sock)
+            try:
+                send_frame(self.sock, request(op, **fields))
+            except ConnectionError as e:
+                # The daemon hung up before reading the request; a refusal it sent first ("busy",
+                # "rejected") is still queued on our side, so read it before blaming the daemon.
+                try:
+                    answer, fds = recv_frame(self.sock)
+                except (ProtocolError, EOFError, OSError):
+                    raise e from None
+            else:
+                answer, fds = recv_frame(self.sock)
         except TimeoutError:
             raise CacheUnusable("timeout", path=self.path, timeout=self.lc.state_timeout_s) from None
-        except (ProtocolError, EOFError, OSError) as e:
+        except (EOFError, ConnectionError) as e:  # killed, crashed or stopped mid-handoff
+            raise CacheUnusable("lost", path=self.path, error=str(e) or type(e).__name__) from None
+        except (ProtocolError, OSError) as e:
             raise CacheUnusable("protocol", detail=str(e) or type(e).__name__) from None
         if not answer.get("ok"):
             close_fds(fds)
@@ -134,7 +145,9 @@ class CacheClient:
             if kind == "released":
                 raise CacheUnusable("released")
             if kind == "rejected":
-                raise CacheUnusable("protocol", detail=answer.get("message"))
+                raise CacheUnusable("rejected", uid=os.getuid())  # the uid the daemon saw, outside user namespaces
+            if kind == "busy":
+                raise CacheUnusable("busy", path=self.path, detail=answer.get("message"))
             raise CacheUnusable("protocol", detail=f"{kind}: {answer.get('message')}")
         return answer, fds
 

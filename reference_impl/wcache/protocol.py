@@ -69,16 +69,19 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> tuple[d
         (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, fds))
         if length > max_bytes:
             raise ProtocolError(f"frame of {length} bytes exceeds the maximum of {max_bytes}")
-        body = _recv_exact(sock, length, fds)
+        try:
+            body = _recv_exact(sock, length, fds)
+        except EOFError:  # a whole header, then nothing: a truncated frame, not a clean close
+            raise ProtocolError(f"connection closed after 0 of {length} bytes") from None
         try:
             obj = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # also an int past the digit limit, nesting past the stack
             raise ProtocolError(f"frame is not valid JSON: {e}") from None
         if not isinstance(obj, dict):
             raise ProtocolError(f"frame must be a JSON object, got {type(obj).__name__}")
         version = obj.get("v")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+        if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 equal 1 in Python
+            raise ProtocolError(f"protocol version {version!r:.64} is not supported (this side speaks {PROTOCOL_VERSION})")
         return obj, fds
     except BaseException:
         close_fds(fds)

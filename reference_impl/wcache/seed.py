@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import autotune
 from .config import EngineConfig
-from .errors import SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
+from .errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
 from .protocol import ProtocolError, recv_frame, reply, request, send_frame
 
 log = logging.getLogger("wcache.seed")
@@ -76,7 +76,8 @@ def preload_seed_settings(args) -> dict:
 
 
 def _digest(token) -> bytes:
-    return hashlib.sha256(token.encode() if isinstance(token, str) else b"\0invalid").digest()
+    # surrogatepass: a JSON string may hold a lone surrogate, which plain UTF-8 refuses to encode.
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass") if isinstance(token, str) else b"\0invalid").digest()
 
 
 # -- the source side -----------------------------------------------------------------------------
@@ -141,6 +142,11 @@ class SeedServer:
                     return
                 continue
             if not self.slots.acquire(blocking=False):
+                try:  # say why before closing; a fresh connection's send buffer takes this at once
+                    conn.settimeout(1.0)
+                    send_frame(conn, reply(False, error="busy", message=SEED_BUSY.format(max=MAX_CONNECTIONS)))
+                except OSError:
+                    pass
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, addr[0]), daemon=True).start()
