@@ -80,14 +80,15 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> tuple[str, dict]:
             hashed = dict(zip(sorted(fresh), pool.map(_hash_file, [model_dir / n for n in sorted(fresh)])))
     for n in fresh:
         memo[n] = {"identity": _file_identity(stats[n]), "sha256": hashed[n]}
+    settled = {n for n, st in stats.items() if max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_WINDOW_NS}
     if fresh:
-        settled = {n for n, st in stats.items() if max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_WINDOW_NS}
         _atomic_write_json(memo_file, {n: memo[n] for n in stats if n in settled})
     h = hashlib.sha256()
     for n in sorted(stats):
         h.update(f"{n}\0{stats[n].st_size}\0{memo[n]['sha256']}\n".encode())
     hashed_bytes = sum(stats[n].st_size for n in fresh)
-    return h.hexdigest(), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes}
+    return h.hexdigest(), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes,
+                           "files_unsettled": len(stats) - len(settled)}
 
 
 def _atomic_write_json(path: Path, obj) -> None:
