@@ -127,3 +127,16 @@ def complete(port: int, prompt: str = "Hello", max_tokens: int = 8) -> dict:
     status, body = http("POST", f"http://127.0.0.1:{port}/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
     assert status == 200, body
     return body
+
+
+def call(path, op: str, timeout: float = 10.0, **fields) -> dict:
+    """One request to a daemon socket on a fresh connection; descriptors that come back are closed."""
+    from wcache.protocol import close_fds, recv_frame, request, send_frame
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        send_frame(s, request(op, **fields))
+        answer, fds = recv_frame(s)
+        close_fds(fds)
+        return answer

@@ -7,7 +7,6 @@ same engine configuration, and therefore the same cache key, as the engine.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time

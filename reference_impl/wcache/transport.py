@@ -168,6 +168,13 @@ def bind_views(arena: torch.Tensor, manifest: dict, aliases: dict) -> dict[str, 
     return out
 
 
+def _fill_device_arena(arena: torch.Tensor, layout: Layout, weights: ProcessedWeights) -> None:
+    for e in layout.entries:
+        t = weights.tensors[e["name"]].contiguous().view(-1).view(torch.uint8)
+        arena[e["offset"] : e["offset"] + t.numel()].copy_(t)
+    torch.cuda.synchronize(arena.device)
+
+
 class CudaArena:
     """The daemon's device arena: one cudaMalloc, exported once as a CUDA IPC handle."""
 
@@ -180,11 +187,7 @@ class CudaArena:
         self.weights_bytes = weights.nbytes
         self.device = device
         self.ptr = cuda_ipc.malloc(self.layout.size, device)
-        arena = cuda_ipc.as_tensor(self.ptr, self.layout.size, device)
-        for e in self.layout.entries:
-            t = weights.tensors[e["name"]].contiguous().view(-1).view(torch.uint8)
-            arena[e["offset"] : e["offset"] + t.numel()].copy_(t)
-        torch.cuda.synchronize(device)
+        _fill_device_arena(cuda_ipc.as_tensor(self.ptr, self.layout.size, device), self.layout, weights)
         self.handle = cuda_ipc.export_handle(self.ptr)
 
     @property
@@ -218,11 +221,7 @@ class CudaVmmArena:
         self.weights_bytes = weights.nbytes
         self.device = device
         self.alloc = cuda_vmm.create(self.layout.size, device)
-        arena = self.alloc.tensor(device)
-        for e in self.layout.entries:
-            t = weights.tensors[e["name"]].contiguous().view(-1).view(torch.uint8)
-            arena[e["offset"] : e["offset"] + t.numel()].copy_(t)
-        torch.cuda.synchronize(device)
+        _fill_device_arena(self.alloc.tensor(device), self.layout, weights)
         self.fd = cuda_vmm.export_fd(self.alloc)
 
     @property

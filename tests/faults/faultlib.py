@@ -18,14 +18,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from procs import call  # noqa: F401  (the fault tests import call from here)
 from wcache.device import device_identity
 from wcache.protocol import (
     MAX_FDS,
     MAX_FRAME_BYTES,
-    close_fds,
-    recv_frame,
-    request,
-    send_frame,
 )
 from wcache.sockets import socket_name
 
@@ -104,17 +101,6 @@ def settle(pid: int, baseline: int, count=fd_count, timeout: float = 10.0) -> in
     while (n := count(pid)) > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     return max(0, n - baseline)
-
-
-def call(path, op: str, timeout: float = 10.0, **fields) -> dict:
-    """One request on a fresh connection; descriptors that come back are closed."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        send_frame(s, request(op, **fields))
-        answer, fds = recv_frame(s)
-        close_fds(fds)
-        return answer
 
 
 def frame(body: bytes | dict | list) -> bytes:

@@ -6,7 +6,6 @@ On a machine without CUDA every test here is skipped, with the reason printed by
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import threading
 
@@ -17,7 +16,6 @@ from procs import Processes, complete
 from wcache.checkpoint import make_checkpoint
 from wcache.config import EngineConfig
 from wcache.engine import load_weights
-from wcache.errors import REASONS
 from wcache.loader import LoaderConfig, load_from_cache
 from wcache.protocol import recv_frame, reply, send_frame
 

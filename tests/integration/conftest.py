@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import Processes
+from procs import Processes, call  # noqa: F401  (tests import call from here)
 from wcache.checkpoint import make_checkpoint
 from wcache.device import device_identity
-from wcache.protocol import close_fds, recv_frame, request, send_frame
 from wcache.sockets import socket_name
 
 HERE = Path(__file__).parent
@@ -75,17 +73,6 @@ def default_socket(env: dict) -> Path:
     return Path(env["TMPDIR"]) / f"wcache_{os.getuid()}" / socket_name(device_identity("cpu", 0))
 
 
-def call(path, op: str, timeout: float = 10.0, **fields) -> dict:
-    """One request on a fresh connection; descriptors that come back are closed."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        send_frame(s, request(op, **fields))
-        answer, fds = recv_frame(s)
-        close_fds(fds)
-        return answer
-
-
 def rank_pids(launcher_pid: int) -> list[int]:
     """The daemon rank processes a `wcache preload` launcher started (its children)."""
     text = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text()
@@ -103,3 +90,10 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+@pytest.fixture
+def own_autotune_cache(procs, monkeypatch):
+    """No session-wide shared autotune dir: each process uses <its cache root>/autotune."""
+    procs.env.pop("WCACHE_AUTOTUNE_CACHE_DIR", None)
+    monkeypatch.delenv("WCACHE_AUTOTUNE_CACHE_DIR", raising=False)

@@ -16,12 +16,8 @@ LOADED = re.compile(r"\[Autotuner\]: Loaded (\d+) configs from (\S+\.json)")
 TRIALS = re.compile(r"\[Autotuner\]: (\d+) tuning trials in this process")
 
 
-@pytest.fixture(autouse=True)
-def own_autotune_cache(procs, monkeypatch):
-    """These tests are about where the cache lives and who tunes: no session-wide shared cache dir
-    (tests/integration/conftest.py), each process uses <its cache root>/autotune."""
-    procs.env.pop("WCACHE_AUTOTUNE_CACHE_DIR", None)
-    monkeypatch.delenv("WCACHE_AUTOTUNE_CACHE_DIR", raising=False)
+# These tests are about where the cache lives and who tunes: each process uses its own cache root.
+pytestmark = pytest.mark.usefixtures("own_autotune_cache")
 
 
 def trials(log: str) -> list[int]:

@@ -25,12 +25,8 @@ TOKEN = "s3cr3t-token-for-tests-0123456789"
 TRIALS = re.compile(r"\[Autotuner\]: (\d+) tuning trials in this process")
 
 
-@pytest.fixture(autouse=True)
-def own_autotune_cache(procs, monkeypatch):
-    """These tests are about where the cache lives and who tunes: no session-wide shared cache dir
-    (tests/integration/conftest.py), each process uses <its cache root>/autotune."""
-    procs.env.pop("WCACHE_AUTOTUNE_CACHE_DIR", None)
-    monkeypatch.delenv("WCACHE_AUTOTUNE_CACHE_DIR", raising=False)
+# These tests are about where the cache lives and who tunes: each process uses its own cache root.
+pytestmark = pytest.mark.usefixtures("own_autotune_cache")
 
 
 def replica(procs, model, tmp_path: Path, name: str, *flags: str):

@@ -79,14 +79,15 @@ def test_restart_hashes_nothing_and_a_same_size_write_rehashes(ckpt, monkeypatch
     time.sleep(0.06)  # the copies are now older than the (shortened) racy window
     total = sum(p.stat().st_size for p in list(ckpt.glob("*.safetensors")) + [ckpt / "config.json"])
     digest, first = checkpoint_digest(ckpt)
-    assert first == {"files": 3, "files_hashed": 3, "bytes_hashed": total}
+    assert first == {"files": 3, "files_hashed": 3, "bytes_hashed": total, "files_unsettled": 0}
     again, second = checkpoint_digest(ckpt)
-    assert again == digest and second == {"files": 3, "files_hashed": 0, "bytes_hashed": 0}
+    assert again == digest and second == {"files": 3, "files_hashed": 0, "bytes_hashed": 0, "files_unsettled": 0}
     shard = sorted(ckpt.glob("*.safetensors"))[1]
     flip(shard, shard.stat().st_size // 2)  # content changes, size and inode stay
     changed, third = checkpoint_digest(ckpt)
     assert changed != digest
-    assert third == {"files": 3, "files_hashed": 1, "bytes_hashed": shard.stat().st_size}
+    # The rewritten shard is too fresh to remember: the bench waits such files out.
+    assert third == {"files": 3, "files_hashed": 1, "bytes_hashed": shard.stat().st_size, "files_unsettled": 1}
 
 
 def test_a_file_written_just_before_hashing_is_not_remembered(ckpt):
