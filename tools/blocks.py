@@ -20,8 +20,10 @@ Dispatch by language
     ``wcache preload`` or ``wcache serve`` (after ``VAR=value`` prefixes, ``exec`` or ``nohup``;
     backslash continuations and multi-line quotes are joined) is started in the background in its
     own session and awaited: ``preload`` until its log shows ``Weight cache daemon READY``,
-    ``serve`` until ``GET /health`` on 127.0.0.1 and its ``--port`` (default 8000) answers 200. A
-    command line that ends with ``&`` is started the same way and tracked, but not awaited. Every
+    ``serve`` until ``GET /health`` on 127.0.0.1 and its ``--port`` (default 8000) answers 200.
+    When such a line ends with ``&`` it is awaited at the end of the block instead, so the block's
+    next lines run while it starts, as in a shell. Any other command line that ends with ``&`` is
+    started the same way and tracked, but not awaited. Every
     process started like this is stopped (SIGTERM to its process group, then SIGKILL) when the page
     ends, and the runner waits until it is gone.
 ``yaml`` / ``yml``
@@ -671,6 +673,40 @@ _PORT = re.compile(r"(?:^|\s)--port(?:=|\s+(?:\\\n\s*)?)(?P<port>\"[^\"]*\"|'[^'
 _STDOUT_REDIRECT = re.compile(r"(?:^|\s)(?:1?>>?|&>>?)\s*(?P<target>\"[^\"]+\"|'[^']+'|[^\s;&|<>]+)")
 
 
+_RESERVED = {"if", "then", "while", "until", "for", "case", "select", "function", "time", "!", "{", "[[", "(("}
+
+
+def exec_form(cmd: str) -> str:
+    """``cmd`` with ``exec`` in front of its command word when it is one simple command, so the
+    ``bash -c`` that runs it becomes the command itself and ``$!`` is the command's pid, as in an
+    interactive shell (``wcache serve ... > engine.log 2>&1 &`` then ``kill $!`` stops the engine).
+    Anything with pipes, lists, subshells or command substitutions is returned unchanged."""
+    quote = ""
+    i = 0
+    while i < len(cmd):
+        ch = cmd[i]
+        if ch == "\\" and quote != "'":
+            i += 2  # an escaped character (or a line continuation) is never an operator
+            continue
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif (ch in "|;()`\n" or (ch == "$" and cmd[i + 1 : i + 2] == "(")
+              or (ch == "&" and not (cmd[i - 1 : i] in (">", "<") or cmd[i + 1 : i + 2] == ">"))):
+            return cmd  # a pipe, list, subshell, substitution or background: not one simple command
+        i += 1
+    if quote:
+        return cmd
+    prefix = re.match(r"\s*" + _ENV_PREFIX, cmd)
+    rest = cmd[prefix.end() :]
+    words = rest.split()
+    if not words or words[0] in _RESERVED or words[0] == "exec":
+        return cmd
+    return cmd[: prefix.end()] + "exec " + rest
+
+
 @dataclasses.dataclass
 class Background:
     kind: str  # preload / serve / bg
@@ -684,6 +720,7 @@ def rewrite_script(
     teardown and (wcache preload/serve) awaited. Returns the new script and what it starts."""
     out: list[str] = []
     started: list[Background] = []
+    deferred: list[str] = []  # awaits of `wcache ... &` lines: at the end of the block
     for ll in logical_lines(script):
         code = ll.text[: ll.code_end].rstrip()
         if ll.heredoc or not code.strip():
@@ -701,7 +738,7 @@ def rewrite_script(
         started.append(Background(kind, str(log)))
         qlog = shlex.quote(str(log))
         out.append(f"# wcache-docs: {kind} started in the background and tracked")
-        out.append(f"setsid bash -o pipefail -c {shlex.quote(cmd.strip())} >{qlog} 2>&1 </dev/null &")
+        out.append(f"setsid bash -o pipefail -c {shlex.quote(exec_form(cmd.strip()))} >{qlog} 2>&1 </dev/null &")
         user_logs = [r.group("target") for r in _STDOUT_REDIRECT.finditer(cmd)]
         user_log = user_logs[-1] if user_logs else "''"
         out.append(f'__wcb_track "$!" {kind} {qlog} {user_log}')
@@ -715,7 +752,17 @@ def rewrite_script(
                 args += f" --log {user_log}"
             if kind == "serve":
                 args += f" --port {port}"
-            out.append(f"__wcb_await {args}")
+            if explicit_bg:
+                # `&` returns at once in a shell, so the block's next lines run while it starts
+                # (e.g. an engine that waits for a daemon started on a later line).
+                var = f"__wcb_bg{len(started)}"
+                out.append(f'{var}="$!"')
+                deferred.append(f"__wcb_await {args}".replace('--pid "$!"', f'--pid "${var}"'))
+            else:
+                out.append(f"__wcb_await {args}")
+    if deferred:
+        out.append("# wcache-docs: await what the block started with `&`")
+        out += deferred
     return "\n".join(out) + "\n", started
 
 

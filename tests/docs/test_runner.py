@@ -382,7 +382,7 @@ def test_rewrite_script_finds_long_running_commands() -> None:
     assert "--log preload.log" in out
     assert "wcache serve --help\n" in out
     assert "cat <<EOF\nwcache serve inside a heredoc\nEOF\n" in out
-    assert "setsid bash -o pipefail -c 'python -m http.server 9'" in out
+    assert "setsid bash -o pipefail -c 'exec python -m http.server 9'" in out
     assert "echo a && echo b" in out
     subprocess.run(["bash", "-n"], input=out, text=True, check=True)
 
@@ -543,6 +543,8 @@ with open(os.path.join(os.environ["FAKE_PID_DIR"], kind + ".pid"), "a") as f:
 if "--fail" in args:
     print("engine failed: boom", flush=True)
     sys.exit(3)
+while "--wait-for" in args and not os.path.exists(args[args.index("--wait-for") + 1]):
+    time.sleep(0.05)
 if kind == "preload":
     time.sleep(0.3)
     if "--never-ready" not in args:
@@ -622,6 +624,55 @@ def test_stopping_an_engine_by_its_pid(tmp_path: Path, request, fake_wcache) -> 
     """
     run(tmp_path, request, text, extra_path=[fake_wcache])
     assert len(_pids(tmp_path, "serve")) == 1
+
+
+def test_a_wcache_line_ending_with_ampersand_is_awaited_at_the_end_of_its_block(
+    tmp_path: Path, request, fake_wcache
+) -> None:
+    """`&` returns at once in a shell: the engine below gets ready only after the next line ran."""
+    port = free_port()
+    text = f"""
+    # P
+
+    ```bash
+    wcache serve ./m --port {port} --wait-for go > engine.log 2>&1 &
+    touch go
+    ```
+
+    ```bash
+    curl -sf "http://127.0.0.1:{port}/health"; echo
+    ```
+
+    <!-- block: expect-output -->
+    ```text
+    ok
+    ```
+    """
+    run(tmp_path, request, text, extra_path=[fake_wcache], ready_timeout=10)
+
+
+def test_a_redirected_background_command_is_its_own_pid(tmp_path: Path, request) -> None:
+    """`cmd > log 2>&1 &` then `kill $!` must stop cmd, as in an interactive shell: the runner's
+    `bash -c` wrapper execs a simple command instead of waiting for it as a child."""
+    text = """
+    # P
+
+    ```bash
+    sleep 30 > sleep.log 2>&1 &
+    SLEEPER=$!
+    ```
+
+    ```bash
+    test "$(cat /proc/$SLEEPER/comm)" = sleep
+    kill $SLEEPER
+    while kill -0 $SLEEPER 2>/dev/null; do sleep 0.1; done
+    ```
+    """
+    run(tmp_path, request, text)
+    for a, b in [("wcache serve m > e.log 2>&1", "exec wcache serve m > e.log 2>&1"),
+                 ("A=1 wcache serve m", "A=1 exec wcache serve m"),
+                 ("wcache serve m | tee e.log", None), ("a && b", None), ("cd d; wcache serve m", None)]:
+        assert blocks.exec_form(a) == (b or a)
 
 
 def test_expect_output_sees_background_logs(tmp_path: Path, request, fake_wcache) -> None:

@@ -1,0 +1,173 @@
+"""Generated regions of the guide: tables rendered from the code and from published measurements.
+
+A page marks a region it does not write by hand with two HTML comments (invisible on the site)::
+
+    <!-- generated: preload-flags -->
+    ...what GENERATORS["preload-flags"]() returns...
+    <!-- end generated -->
+
+``python tools/doc_tables.py`` rewrites every region of every page (and the benchmark SVG);
+``python tools/doc_tables.py --check`` exits 1 naming each stale one. ``tests/docs/test_tables.py``
+runs the check, so a table can only change together with the code or the JSON it comes from.
+
+Generators: ``preload-flags`` (every option of ``wcache preload``, from ``wcache.cli.build_parser()``)
+and the benchmark tables of ``tools/plot_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import plot_bench
+
+REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- end generated -->)",
+                    re.DOTALL)
+
+# argparse group titles -> the headings the table uses
+GROUP_TITLES = {
+    "options": "Model and engine",
+    "parallelism": "Parallelism",
+    "weight cache daemon": "Weight cache daemon",
+    "autotune seeding (see docs/autotune.md)": "Autotune seeding",
+}
+NOT_SET = "not set"
+REQUIRED = "required"
+
+# Spans of help text shown as code: environment variables (with a path), flags, JSON objects.
+_CODE = re.compile(r"(\$[A-Z_][A-Z0-9_]*(?:/[\w<>.-]+)?|(?<![\w`])--[a-z][\w-]*|\{\"[^}]*\})")
+
+
+def preload_parser() -> argparse.ArgumentParser:
+    from wcache.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["preload"]
+
+
+def preload_actions() -> list[argparse.Action]:
+    """Every option of ``wcache preload`` except --help, in the order argparse lists them."""
+    return [a for a in preload_parser()._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def option_names(action: argparse.Action) -> list[str]:
+    """Long forms first, then short ones, as they are shown in the table."""
+    return sorted(action.option_strings, key=lambda s: (not s.startswith("--"), action.option_strings.index(s)))
+
+
+def default_cell(action: argparse.Action) -> str:
+    if action.required:
+        return REQUIRED
+    if action.default is None:
+        return NOT_SET
+    if isinstance(action.default, bool):
+        return "on" if action.default else "off"
+    return f"`{action.default}`"
+
+
+def value_cell(action: argparse.Action) -> str:
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        return "switch"
+    if action.choices:
+        return ", ".join(f"`{c}`" for c in action.choices)
+    return f"`{action.metavar or action.dest.upper()}`"
+
+
+def help_cell(text: str | None) -> str:
+    text = (text or "").replace("|", "\\|")
+    return _CODE.sub(lambda m: f"`{m.group(1)}`", text)
+
+
+def unformat_help(cell: str) -> str:
+    """The argparse help a description cell was rendered from."""
+    return cell.replace("`", "").replace("\\|", "|")
+
+
+def preload_flags() -> str:
+    """One table per argparse group: flag, value, default, description (the help text)."""
+    parser = preload_parser()
+    out: list[str] = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
+        if not actions:
+            continue
+        title = GROUP_TITLES.get(group.title, (group.title or "").capitalize())
+        if out:
+            out.append("")
+        out += [f"### {title}", "", "| Flag | Value | Default | Description |", "| --- | --- | --- | --- |"]
+        for a in actions:
+            names = ", ".join(f"`{n}`" for n in option_names(a))
+            out.append(f"| {names} | {value_cell(a)} | {default_cell(a)} | {help_cell(a.help)} |")
+    return "\n".join(out)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "preload-flags": preload_flags,
+    "bench-table": plot_bench.bench_table,
+    "bench-phases": plot_bench.phases_table,
+    "bench-runs": plot_bench.runs_table,
+    "ns-matrix": plot_bench.matrix_table,
+    "ns-matrix-runs": plot_bench.matrix_runs,
+    "gpu-tests-summary": plot_bench.gpu_tests_summary,
+}
+
+
+def regions(text: str) -> list[tuple[str, str]]:
+    """(name, body) of every generated region of a page, body without the surrounding blank lines."""
+    return [(m.group("name"), m.group("body").strip("\n")) for m in REGION.finditer(text)]
+
+
+def render_page(text: str) -> str:
+    """The page with every region replaced by its generator's output."""
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in GENERATORS:
+            raise KeyError(f"unknown generated region {name!r}; known: {', '.join(GENERATORS)}")
+        return f"{m.group('open')}\n{GENERATORS[name]()}\n\n{m.group('close')}"
+
+    return REGION.sub(sub, text)
+
+
+def stale(pages: list[Path] | None = None) -> list[str]:
+    """Regions (page: name) whose text differs from a fresh render."""
+    found = []
+    for page in pages or sorted(DOCS.rglob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        fresh = dict(regions(render_page(text)))
+        for name, body in regions(text):
+            if body != fresh[name]:
+                shown = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+                found.append(f"{shown}: {name}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 naming each region that is stale")
+    args = p.parse_args(argv)
+    if args.check:
+        bad = stale()
+        if plot_bench.SVG_PATH.read_text(encoding="utf-8") != plot_bench.render_svg():
+            bad.append(str(plot_bench.SVG_PATH.relative_to(ROOT)))
+        for b in bad:
+            print(f"stale: {b} (run python tools/doc_tables.py)", file=sys.stderr)
+        return 1 if bad else 0
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        new = render_page(text)
+        if new != text:
+            page.write_text(new, encoding="utf-8")
+            print(f"rewrote {page.relative_to(ROOT)}")
+    return plot_bench.main([])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Render the published measurements in docs/benchmarks/ as Markdown tables and an SVG bar chart.
+
+Every figure the guide shows about a GPU run comes from a JSON record in ``docs/benchmarks/`` through
+this module, never typed by hand:
+
+* ``wcache bench --json`` records (a ``seconds`` key): the restart table, the table of runs (date,
+  GPU, driver, torch of each) and ``docs/benchmarks/restart-h200.svg``;
+* ``tools/ns_matrix.py --json`` records (a ``rows`` key): the namespace/user matrix table;
+* the GPU test logs (``*.log``): their pytest summary lines and failures.
+
+The tables live between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` comments in the
+pages; ``tools/doc_tables.py`` rewrites or checks them, and ``tests/docs/test_tables.py`` fails when
+a page or the SVG differs from what this module renders from the JSON.
+
+    python tools/plot_bench.py            # rewrite the SVG
+    python tools/plot_bench.py --check    # exit 1 if the committed SVG is stale
+
+No plotting library: the SVG is written by hand, deterministically (fixed number formats, files in
+name order), so regenerating it from the same JSON gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "docs" / "benchmarks"
+SVG_PATH = BENCH_DIR / "restart-h200.svg"
+
+
+SOURCES = (("disk", "disk (warm page cache)", "#8d8d8d"),
+           ("zero_copy", "ipc_cache zero_copy", "#1e6fd9"),
+           ("copy", "ipc_cache copy", "#2e9d4f"))
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def _records(kind_key: str, bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
+    out = []
+    for path in sorted(bench_dir.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if kind_key in data:
+            out.append((path, data))
+    return out
+
+
+def bench_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
+    """``wcache bench --json`` records, in file-name order."""
+    return _records("seconds", bench_dir)
+
+
+def matrix_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
+    """``tools/ns_matrix.py --json`` records, in file-name order."""
+    return _records("rows", bench_dir)
+
+
+def run_label(path: Path) -> str:
+    """``2026-12-02-h200-llama-8b-cuda_ipc.json`` -> ``llama-8b``: the part between the GPU and the
+    transport, which names the model the run timed."""
+    stem = re.sub(r"^\d{4}-\d{2}-\d{2}-", "", path.stem)
+    parts = stem.split("-")
+    return "-".join(parts[1:-1]) or stem
+
+
+# The arena kinds a bench record names, as the --weight-cache-transport values users type.
+TRANSPORT_NAMES = {"cuda_vmm_fd": "vmm_fd", "cuda_ipc": "cuda_ipc", "memfd": "memfd"}
+
+
+def transport_of(path: Path, data: dict) -> str:
+    kind = data.get("transport")
+    return TRANSPORT_NAMES.get(kind, kind) if kind else path.stem.rsplit("-", 1)[-1]
+
+
+# -- formatting ------------------------------------------------------------------------------------
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 0.001:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} µs"
+
+
+def fmt_tick(s: float) -> str:
+    """An axis tick: a power of ten, in the largest unit that keeps it whole."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{round(s / scale):d} {unit}"
+    return f"{s:g} s"
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.0f} MiB"
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.1f}x"
+
+
+# -- tables ----------------------------------------------------------------------------------------
+
+
+def bench_table(bench_dir: Path = BENCH_DIR) -> str:
+    """Restart timings: one row per bench record."""
+    rows = [("| Model | Transport | Tensors | Weights | Disk | zero_copy | copy | Disk / zero_copy | "
+             "Key, first sight | Key, restart |"),
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for path, d in bench_records(bench_dir):
+        s, m = d["seconds"], d["model"]
+        rows.append(
+            f"| {run_label(path)} | `{transport_of(path, d)}` | {m['tensors']:,} | {fmt_bytes(m['bytes'])} "
+            f"| {fmt_seconds(s['disk'])} | {fmt_seconds(s['zero_copy'])} | {fmt_seconds(s['copy'])} "
+            f"| {fmt_ratio(s['disk'] / s['zero_copy'])} | {fmt_seconds(s['key_first_sight'])} "
+            f"| {fmt_seconds(s['key_restart'])} |")
+    return "\n".join(rows)
+
+
+def phases_table(bench_dir: Path = BENCH_DIR) -> str:
+    """Where a zero_copy handoff spends its time, for the records that have the phases."""
+    recs = [(p, d) for p, d in bench_records(bench_dir) if d.get("zero_copy_phases_ms")]
+    names: list[str] = []
+    for _, d in recs:
+        names += [k for k in d["zero_copy_phases_ms"] if k not in names]
+    rows = ["| Model | Transport | " + " | ".join(names) + " |", "| --- | --- |" + " ---: |" * len(names)]
+    for path, d in recs:
+        ph = d["zero_copy_phases_ms"]
+        rows.append(f"| {run_label(path)} | `{transport_of(path, d)}` | "
+                    + " | ".join(f"{ph[n]:.3f} ms" if n in ph else "" for n in names) + " |")
+    return "\n".join(rows)
+
+
+def runs_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """Where and with what each record was measured."""
+    rows = ["| Record | Date (UTC) | GPU | Driver | torch | CUDA | Python | wcache | Samples |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | ---: |"]
+    for path, d in bench_records(bench_dir):
+        e = d["environment"]
+        rows.append(
+            f"| [{path.name}]({link_prefix}{path.name}) | {e['date'].replace('T', ' ').replace('+00:00', '')} "
+            f"| {e.get('gpu', e['device'])} | {e.get('driver', '')} | {e['torch']} | {e.get('cuda', '')} "
+            f"| {e['python']} | {e['wcache']} | {d['repeat']} |")
+    return "\n".join(rows)
+
+
+_ERROR_LINE = re.compile(r"^(?:ERROR|WARNING) \S+ \S+ \[[^\]]+\] (?P<msg>.+)$", re.MULTILINE)
+_WORKDIR = re.compile(r"/tmp/wcache-ns-[^/\s']+")
+
+
+def matrix_error(text: str) -> str:
+    """The first logged error of a failing case, with the harness's temp directory shortened."""
+    m = _ERROR_LINE.search(text)
+    msg = m.group("msg") if m else text.strip().splitlines()[-1]
+    return _WORKDIR.sub("$WORK", msg)
+
+
+def matrix_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """One row per case, one column per transport: maps, or the error the case ended with."""
+    recs = matrix_records(bench_dir)
+    cases: list[str] = []
+    for _, d in recs:
+        cases += [r["case"] for r in d["rows"] if r["case"] not in cases]
+    head = "| Case | " + " | ".join(
+        f"[`{d['meta']['transport']}`]({link_prefix}{p.name})" for p, d in recs) + " |"
+    rows = [head, "| --- |" + " --- |" * len(recs)]
+    for case in cases:
+        cells = []
+        for _, d in recs:
+            r = next((r for r in d["rows"] if r["case"] == case), None)
+            if r is None:
+                cells.append("not run")
+            elif r["maps"]:
+                cells.append("maps")
+            else:
+                cells.append(f"fails: `{matrix_error(r.get('error', ''))}`")
+        rows.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def matrix_runs(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    rows = ["| Record | Date | GPU | Driver | torch |", "| --- | --- | --- | --- | --- |"]
+    for path, d in matrix_records(bench_dir):
+        m = d["meta"]
+        rows.append(f"| [{path.name}]({link_prefix}{path.name}) | {m['date']} | {m['gpu']} | {m['driver']} "
+                    f"| {m['torch']} |")
+    return "\n".join(rows)
+
+
+_SUMMARY = re.compile(r"^=+ (?P<s>.*\d+ (?:passed|failed).*?) =+$|^(?P<t>\d+ (?:passed|failed)[^=]*)$", re.MULTILINE)
+
+
+def gpu_test_logs(bench_dir: Path = BENCH_DIR) -> list[Path]:
+    """The published pytest logs of GPU runs, in file-name order."""
+    return sorted(bench_dir.glob("*.log"))
+
+
+def gpu_tests_summary(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """One row per published GPU test log: its pytest summary line and the tests that failed."""
+    rows = ["| Log | Result | Failed |", "| --- | --- | --- |"]
+    for log in gpu_test_logs(bench_dir):
+        text = log.read_text(encoding="utf-8")
+        found = [m.group("s") or m.group("t") for m in _SUMMARY.finditer(text)]
+        if not found:
+            raise ValueError(f"{log}: no pytest summary line")
+        failed = ", ".join(f"`{m.group(1)}`" for m in re.finditer(r"^FAILED (\S+)", text, re.MULTILINE))
+        rows.append(f"| [{log.name}]({link_prefix}{log.name}) | `{found[-1].strip()}` | {failed or 'none'} |")
+    return "\n".join(rows)
+
+
+# -- the SVG ---------------------------------------------------------------------------------------
+
+
+def render_svg(bench_dir: Path = BENCH_DIR) -> str:
+    """Grouped horizontal bars, one group per bench record, on a log time axis."""
+    recs = bench_records(bench_dir)
+    values = [d["seconds"][k] for _, d in recs for k, _, _ in SOURCES]
+    lo = 10 ** math.floor(math.log10(min(values)))
+    hi = 10 ** math.ceil(math.log10(max(values)))
+    decades = round(math.log10(hi / lo))
+    label_w, plot_w, right = 250, 450, 70
+    width = label_w + plot_w + right
+    bar_h, bar_gap, group_gap, top = 16, 3, 20, 64
+    group_h = len(SOURCES) * (bar_h + bar_gap) - bar_gap
+    height = top + len(recs) * (group_h + group_gap) + 36
+
+    def x(v: float) -> float:
+        return label_w + plot_w * math.log10(v / lo) / decades
+
+    gpu = {d["environment"].get("gpu", d["environment"]["device"]) for _, d in recs}
+    dates = sorted({d["environment"]["date"][:10] for _, d in recs})
+    title = (f"Weights ready after an engine restart: {', '.join(sorted(gpu))}, {', '.join(dates)} "
+             "(median, log scale)")
+    out = [
+        (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">'),
+        f"<title>{escape(title)}</title>",
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        (f'<text x="{width / 2:.1f}" y="20" text-anchor="middle" font-size="14" font-weight="bold">'
+         f"{escape(title)}</text>"),
+    ]
+    lx = label_w
+    for _key, name, color in SOURCES:
+        out.append(f'<rect x="{lx}" y="32" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{lx + 16}" y="42">{escape(name)}</text>')
+        lx += 16 + 7 * len(name) + 24
+    axis_y = height - 30
+    for i in range(decades + 1):
+        v = lo * 10**i
+        gx = x(v)
+        out.append(f'<line x1="{gx:.1f}" y1="{top - 6}" x2="{gx:.1f}" y2="{axis_y}" stroke="#d0d0d0"/>')
+        out.append(f'<text x="{gx:.1f}" y="{axis_y + 16}" text-anchor="middle">{escape(fmt_tick(v))}</text>')
+    y = top
+    for path, d in recs:
+        m = d["model"]
+        out.append(f'<text x="{label_w - 8}" y="{y + group_h / 2 - 2:.1f}" text-anchor="end" '
+                   f'font-weight="bold">{escape(run_label(path))}</text>')
+        out.append(f'<text x="{label_w - 8}" y="{y + group_h / 2 + 13:.1f}" text-anchor="end" fill="#555555">'
+                   f"{m['tensors']:,} tensors, {escape(fmt_bytes(m['bytes']))}, "
+                   f"{escape(transport_of(path, d))}</text>")
+        for key, _name, color in SOURCES:
+            v = d["seconds"][key]
+            out.append(f'<rect x="{label_w}" y="{y}" width="{x(v) - label_w:.1f}" height="{bar_h}" fill="{color}"/>')
+            out.append(f'<text x="{x(v) + 4:.1f}" y="{y + bar_h - 4}">{escape(fmt_seconds(v))}</text>')
+            y += bar_h + bar_gap
+        y += group_gap - bar_gap
+    out.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + plot_w}" y2="{axis_y}" stroke="#333333"/>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if the committed SVG differs from a fresh render")
+    args = p.parse_args(argv)
+    svg = render_svg()
+    if args.check:
+        if not SVG_PATH.exists() or SVG_PATH.read_text(encoding="utf-8") != svg:
+            print(f"{SVG_PATH.relative_to(ROOT)} is stale: run python tools/plot_bench.py", file=sys.stderr)
+            return 1
+        print(f"{SVG_PATH.relative_to(ROOT)} is current")
+        return 0
+    SVG_PATH.write_text(svg, encoding="utf-8")
+    print(f"wrote {SVG_PATH.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
