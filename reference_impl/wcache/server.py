@@ -19,6 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 log = logging.getLogger("wcache.server")
 
 MAX_BODY_BYTES = 1 << 20
+# An oversize body is read and dropped up to this much before the 413, so that an ordinary client
+# still sending it sees the answer instead of a broken pipe; beyond it the connection is just cut.
+MAX_DISCARD_BYTES = 16 << 20
 
 
 class ApiError(Exception):
@@ -83,6 +86,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _discard(self, n: int) -> None:
+        self.connection.settimeout(10)
+        try:
+            while n > 0:
+                chunk = self.rfile.read(min(n, 1 << 16))
+                if not chunk:
+                    break
+                n -= len(chunk)
+        except OSError:
+            pass
+
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
 
@@ -109,6 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if length > MAX_BODY_BYTES:
             self.close_connection = True  # the unread body must not be parsed as a next request
+            self._discard(min(length, MAX_DISCARD_BYTES))  # so the client is not cut off mid-send
             self._error(413, f"Request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
             return
         body = self.rfile.read(length)
