@@ -113,6 +113,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "preload-flags": preload_flags,
     "bench-table": plot_bench.bench_table,
     "bench-phases": plot_bench.phases_table,
+    "bench-targets": plot_bench.targets_table,
     "bench-runs": plot_bench.runs_table,
     "ns-matrix": plot_bench.matrix_table,
     "ns-matrix-runs": plot_bench.matrix_runs,

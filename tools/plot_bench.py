@@ -139,6 +139,45 @@ def phases_table(bench_dir: Path = BENCH_DIR) -> str:
     return "\n".join(rows)
 
 
+# The [gpu-1] targets for the CUDA path: (label, model, what is measured, target, higher is better).
+TARGETS = [
+    ("zero_copy handoff, 16 GB model", "llama-8b", "zero_copy", 0.005, False),
+    ("zero_copy handoff, 10,000 tensors", "tensors-10k", "zero_copy", 0.030, False),
+    ("copy mode, effective bandwidth", "llama-8b", "copy_tb_s", 1.5, True),
+    ("weights ready vs a warm-cache disk load", "llama-8b", "speedup", 300.0, True),
+]
+
+
+def _target_value(d: dict, what: str) -> float:
+    s = d["seconds"]
+    if what == "copy_tb_s":
+        return d["model"]["bytes"] / s["copy"] / 1e12
+    if what == "speedup":
+        return s["disk"] / s["zero_copy"]
+    return s[what]
+
+
+def _target_cell(what: str, v: float) -> str:
+    return {"copy_tb_s": f"{v:.2f} TB/s", "speedup": fmt_ratio(v)}.get(what) or fmt_seconds(v)
+
+
+def targets_table(bench_dir: Path = BENCH_DIR) -> str:
+    """Each GPU target against every record of its model: met, or the factor still missing."""
+    rows = ["| Target | Model | Transport | Goal | Measured | Result |", "| --- | --- | --- | ---: | ---: | --- |"]
+    for label, model, what, goal, higher in TARGETS:
+        for path, d in bench_records(bench_dir):
+            if run_label(path) != model:
+                continue
+            v = _target_value(d, what)
+            met = v >= goal if higher else v <= goal
+            factor = goal / v if higher else v / goal
+            result = "met" if met else f"missed: {factor:.1f}x short"
+            sign = ">=" if higher else "<="
+            rows.append(f"| {label} | {model} | `{transport_of(path, d)}` | {sign} {_target_cell(what, goal)} "
+                        f"| {_target_cell(what, v)} | {result} |")
+    return "\n".join(rows)
+
+
 def runs_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
     """Where and with what each record was measured."""
     rows = ["| Record | Date (UTC) | GPU | Driver | torch | CUDA | Python | wcache | Samples |",
