@@ -97,3 +97,25 @@ def own_autotune_cache(procs, monkeypatch):
     """No session-wide shared autotune dir: each process uses <its cache root>/autotune."""
     procs.env.pop("WCACHE_AUTOTUNE_CACHE_DIR", None)
     monkeypatch.delenv("WCACHE_AUTOTUNE_CACHE_DIR", raising=False)
+
+
+@pytest.fixture
+def cfg(tiny_model):
+    """The tiny model's engine configuration on CPU."""
+    from wcache.config import EngineConfig
+
+    return EngineConfig.build(str(tiny_model), "auto", None, "cpu")
+
+
+def fallback_reason(cfg, caplog, **loader) -> str:
+    """Load with the ipc_cache loader, expect a disk fallback, and return its logged reason."""
+    import logging
+
+    from wcache.engine import load_weights
+    from wcache.loader import LoaderConfig
+
+    caplog.set_level(logging.INFO, "wcache.loader")
+    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
+    assert report.source == "disk", "the engine should have loaded from disk"
+    assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text
+    return report.fallback_reason

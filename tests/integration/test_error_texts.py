@@ -7,7 +7,6 @@ daemon cannot produce (a GPU transport, memory the kernel refuses to map).
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -15,7 +14,8 @@ import threading
 from dataclasses import asdict
 
 import pytest
-from wcache.config import EngineConfig, Ranks
+from conftest import fallback_reason  # the cfg fixture comes from conftest too
+from wcache.config import Ranks
 from wcache.daemon import MAX_SOCKET_PATH, SOCKET_PATH_TOO_LONG, RankDaemon
 from wcache.device import device_identity
 from wcache.engine import load_weights
@@ -56,17 +56,6 @@ def answer_once(tmp_path):
         listener.close()
 
 
-@pytest.fixture
-def cfg(tiny_model):
-    return EngineConfig.build(str(tiny_model), "auto", None, "cpu")
-
-
-def fallback_reason(cfg, caplog, **loader) -> str:
-    caplog.set_level(logging.INFO, "wcache.loader")
-    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
-    assert report.source == "disk"
-    assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text
-    return report.fallback_reason
 
 
 def test_memory_the_kernel_refuses_to_map_is_named(cfg, caplog, answer_once, tmp_path):

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from wcache.config import EngineConfig
+from conftest import fallback_reason  # the cfg fixture comes from conftest too
 from wcache.device import device_identity
 from wcache.engine import load_weights
 from wcache.errors import (
@@ -72,17 +72,6 @@ def fake(tmp_path):
         d.close()
 
 
-@pytest.fixture
-def cfg(tiny_model):
-    return EngineConfig.build(str(tiny_model), "auto", None, "cpu")
-
-
-def fallback_reason(cfg, caplog, **loader) -> str:
-    caplog.set_level(logging.INFO, "wcache.loader")
-    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
-    assert report.source == "disk", "the engine should have loaded from disk"
-    assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text
-    return report.fallback_reason
 
 
 def test_no_socket(cfg, caplog, wcache_env):
