@@ -414,7 +414,7 @@ def run_serve(args, loader_config) -> int:
         code = serve_requests(runner)
         monitor.stopping = True
         stop_workers(workers)
-        return code
+        exit_after_collectives(code)
     engine = ParallelEngine(runner, args.max_model_len)
 
     def on_stop() -> None:
@@ -426,7 +426,20 @@ def run_serve(args, loader_config) -> int:
     log.info("Engine ready: POST http://%s:%d/v1/completions", args.host, args.port)
     run_until_signal(server, on_stop=on_stop)
     log.info("Engine stopped")
-    return 0
+    exit_after_collectives(0)
+
+
+def exit_after_collectives(code: int) -> None:
+    """Leave the process without running the process group's C++ teardown.
+
+    Every rank has been told to stop and every lease is closed by now. What is left is gloo's
+    destructor, which aborts the process (SIGABRT, exit -6) when a peer on another node has already
+    closed its connections: a clean stop must not look like a crash to Docker or Kubernetes.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -453,7 +466,7 @@ def main() -> int:
     except RuntimeError as e:  # a peer died during startup
         log.error(LOST_PEERS.format(rank=runner.rank, error=str(e).splitlines()[0]))
         return 1
-    return serve_requests(runner)
+    exit_after_collectives(serve_requests(runner))
 
 
 if __name__ == "__main__":
