@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -73,6 +74,39 @@ def _timed_load(cfg, load_format, lc=None) -> tuple[float, object]:
     return elapsed, (weights, report)
 
 
+def _warm_device(cfg) -> None:
+    """A restarted engine creates its CUDA context whatever the weights' source: keep that out of
+    every sample alike."""
+    if cfg.device == "cuda":
+        from .cuda_ipc import cudart
+
+        torch.empty(1, device=cfg.torch_device)
+        cudart()
+
+
+def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = None) -> dict:
+    """One timed load in a new interpreter, as an engine restart does it: the page cache is warm,
+    but the process (its allocator, its mappings) is new. Timing starts inside, after imports."""
+    spec = {"model": args.model, "dtype": args.dtype, "device": args.device, "load_format": load_format,
+            "loader": asdict(lc) if lc else None}
+    out = subprocess.run([sys.executable, "-m", "wcache.bench", json.dumps(spec)], capture_output=True, text=True,
+                         timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench sample ({load_format}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _sample_main(spec: dict) -> None:
+    from . import disk, loader  # noqa: F401  (imports are process start-up, outside every sample)
+
+    cfg = EngineConfig.build(spec["model"], spec["dtype"], None, spec["device"])
+    _warm_device(cfg)
+    lc = LoaderConfig(**spec["loader"]) if spec["loader"] else None
+    elapsed, (_weights, report) = _timed_load(cfg, spec["load_format"], lc)
+    print(json.dumps({"seconds": elapsed, "phases": report.phases, "tensors": report.tensors,
+                      "nbytes": report.nbytes, "transport": report.transport}))
+
+
 class DaemonUnderTest:
     """A real `wcache preload` in a private socket directory, for the length of a measurement."""
 
@@ -98,13 +132,6 @@ class DaemonUnderTest:
 def run_bench(args) -> int:
     cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
     env = environment(cfg.device)
-    if cfg.device == "cuda":
-        # A restarted engine creates its CUDA context whatever the weights' source; keep that out
-        # of every sample alike.
-        from .cuda_ipc import cudart
-
-        torch.empty(1, device=cfg.torch_device)
-        cudart()
     n = max(1, args.repeat)
     work = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
     sockets = work / "sockets"
@@ -125,7 +152,7 @@ def run_bench(args) -> int:
     key_cached = time.perf_counter() - t0
 
     load_weights(cfg, "safetensors")  # warm the page cache: the baseline is a warm-cache disk load
-    disk = [_timed_load(cfg, "safetensors")[0] for _ in range(n)]
+    disk = [sample_in_fresh_process(args, "safetensors")["seconds"] for _ in range(n)]
 
     zero_copy, copy, phases = [], [], []
     lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
@@ -133,23 +160,18 @@ def run_bench(args) -> int:
     daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
     try:
         for _ in range(n):
-            elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_zero)
-            zero_copy.append(elapsed)
-            tensors_kind = report.transport
-            phases.append(report.phases)
-            for lease in report.keepalive:
-                lease.close()
-            tensors = report.tensors
-            del weights
+            r = sample_in_fresh_process(args, "ipc_cache", lc_zero)
+            zero_copy.append(r["seconds"])
+            phases.append(r["phases"])
+            tensors, tensors_kind = r["tensors"], r["transport"]
         for i in range(n):
             # Copy mode releases the daemon's weights, so each sample gets a fresh daemon.
             if i:
                 daemon.stop()
                 daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
-            elapsed, (weights, report) = _timed_load(cfg, "ipc_cache", lc_copy)
-            copy.append(elapsed)
-            nbytes = report.nbytes
-            del weights
+            r = sample_in_fresh_process(args, "ipc_cache", lc_copy)
+            copy.append(r["seconds"])
+            nbytes = r["nbytes"]
     finally:
         daemon.stop()
 
@@ -160,6 +182,7 @@ def run_bench(args) -> int:
         "transport": tensors_kind,
         "model": {"path": cfg.model, "tensors": tensors, "bytes": nbytes, "dtype": cfg.dtype_name},
         "repeat": n,
+        "sampling": "each sample in a fresh process (page cache warm, process new)",
         "seconds": {**{k: round(v, 6) for k, v in med.items()},
                     "key_first_sight": round(key_first, 6), "key_restart": round(key_cached, 6)},
         "samples": {"disk": disk, "zero_copy": zero_copy, "copy": copy},
@@ -198,3 +221,7 @@ def render_table(r: dict) -> str:
         f"restart {s['key_restart']:.4f} s ({ratios['key_restart_over_disk']:.2%} of disk)",
     ]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # one sample, for sample_in_fresh_process
+    _sample_main(json.loads(sys.argv[1]))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .postprocess import ProcessedWeights
-from .protocol import ProtocolError
+from .protocol import ProtocolError, close_fds
 
 CPU_ALIGN = 64
 CUDA_ALIGN = 512  # keeps every view aligned for vectorized kernels
@@ -276,26 +276,34 @@ class MappedArena:
             self._closer = None
 
 
+def _arena_size(desc: dict) -> int:
+    size = desc.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ProtocolError(f"bad arena size {size!r}")
+    return size
+
+
 def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
+    """Map the arena a get_state reply describes; any descriptor not handed on is closed."""
     kind = desc.get("kind")
     if kind == CpuArena.kind:
         if device.type != "cpu":
-            protocol_close(fds)
+            close_fds(fds)
             raise ProtocolError(f"the daemon serves a CPU arena but this engine runs on {device}")
         return MappedArena(open_cpu_arena(desc, fds))
     if kind == CudaVmmArena.kind:
-        if device.type != "cuda" or len(fds) != 1:
-            protocol_close(fds)
-            raise ProtocolError(f"expected one CUDA VMM descriptor for a {device} engine, got {len(fds)}")
-        size = desc.get("size")
-        if not isinstance(size, int) or size <= 0:
-            protocol_close(fds)
-            raise ProtocolError(f"bad arena size {size!r}")
+        try:
+            if device.type != "cuda" or len(fds) != 1:
+                raise ProtocolError(f"expected one CUDA VMM descriptor for a {device} engine, got {len(fds)}")
+            size = _arena_size(desc)
+        except ProtocolError:
+            close_fds(fds)
+            raise
         from . import cuda_vmm
 
         alloc = cuda_vmm.import_fd(fds[0], size, device)
         return MappedArena(alloc.tensor(device), alloc.close)
-    protocol_close(fds)
+    close_fds(fds)
     if kind == CudaArena.kind:
         if device.type != "cuda":
             raise ProtocolError(f"the daemon serves a CUDA arena but this engine runs on {device}")
@@ -305,15 +313,7 @@ def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
             handle = base64.b64decode(desc.get("handle", ""), validate=True)
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"bad CUDA IPC handle: {e}") from None
-        size = desc.get("size")
-        if not isinstance(size, int) or size <= 0:
-            raise ProtocolError(f"bad arena size {size!r}")
+        size = _arena_size(desc)
         ptr = cuda_ipc.open_handle(handle, device)
         return MappedArena(cuda_ipc.as_tensor(ptr, size, device), lambda: cuda_ipc.close_handle(ptr))
     raise ProtocolError(f"unknown arena kind {kind!r}")
-
-
-def protocol_close(fds) -> None:
-    from .protocol import close_fds
-
-    close_fds(fds)

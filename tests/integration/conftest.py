@@ -1,23 +1,18 @@
-"""Integration fixtures: module-scoped private environments and daemons, the small checkpoint, and
-a raw protocol client for talking to a live daemon."""
+"""Integration fixtures: module-scoped private environments and daemons, the small checkpoint.
+Plain helpers live in itest.py: test modules import them from there, never from `conftest`, a
+name that every test directory's conftest shares."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-from procs import Processes, call  # noqa: F401  (tests import call from here)
+from procs import Processes
 from wcache.checkpoint import make_checkpoint
-from wcache.device import device_identity
-from wcache.sockets import socket_name
 
-HERE = Path(__file__).parent
 
 
 def private_env(tmp_path_factory) -> tuple[dict, Path]:
@@ -69,29 +64,6 @@ def small_model(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", "small")
 
 
-def default_socket(env: dict) -> Path:
-    return Path(env["TMPDIR"]) / f"wcache_{os.getuid()}" / socket_name(device_identity("cpu", 0))
-
-
-def rank_pids(launcher_pid: int) -> list[int]:
-    """The daemon rank processes a `wcache preload` launcher started (its children)."""
-    text = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text()
-    return [int(p) for p in text.split()]
-
-
-def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wcache.cli", *args], check=False, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def own_autotune_cache(procs, monkeypatch):
     """No session-wide shared autotune dir: each process uses <its cache root>/autotune."""
@@ -105,17 +77,3 @@ def cfg(tiny_model):
     from wcache.config import EngineConfig
 
     return EngineConfig.build(str(tiny_model), "auto", None, "cpu")
-
-
-def fallback_reason(cfg, caplog, **loader) -> str:
-    """Load with the ipc_cache loader, expect a disk fallback, and return its logged reason."""
-    import logging
-
-    from wcache.engine import load_weights
-    from wcache.loader import LoaderConfig
-
-    caplog.set_level(logging.INFO, "wcache.loader")
-    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
-    assert report.source == "disk", "the engine should have loaded from disk"
-    assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text
-    return report.fallback_reason

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from itest import run_cli
 from wcache.bench import render_table
 
 

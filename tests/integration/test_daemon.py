@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import call, default_socket, rank_pids, wait_until
+from itest import call, default_socket, rank_pids, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from procs import free_port, http

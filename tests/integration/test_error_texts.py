@@ -14,7 +14,7 @@ import threading
 from dataclasses import asdict
 
 import pytest
-from conftest import fallback_reason  # the cfg fixture comes from conftest too
+from itest import fallback_reason  # the cfg fixture comes from conftest
 from wcache.config import Ranks
 from wcache.daemon import MAX_SOCKET_PATH, SOCKET_PATH_TOO_LONG, RankDaemon
 from wcache.device import device_identity

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import fallback_reason  # the cfg fixture comes from conftest too
+from itest import fallback_reason  # the cfg fixture comes from conftest
 from wcache.device import device_identity
 from wcache.engine import load_weights
 from wcache.errors import (

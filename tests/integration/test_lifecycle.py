@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from conftest import call, default_socket, rank_pids, wait_until
+from itest import call, default_socket, rank_pids, wait_until
 from procs import free_port, http
 from wcache.config import EngineConfig
 from wcache.engine import load_weights

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from conftest import call, default_socket
+from itest import call, default_socket
 from procs import complete, http
 from wcache.config import EngineConfig
 from wcache.disk import load_processed

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import call, wait_until
+from itest import call, wait_until
 from procs import READY
 from wcache.config import EngineConfig
 from wcache.device import device_identity

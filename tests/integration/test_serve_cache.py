@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from conftest import call, default_socket
+from itest import call, default_socket
 from procs import _healthy, complete, free_port, http
 from wcache.device import device_identity
 from wcache.sockets import socket_name

@@ -14,7 +14,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import HERE, call, default_socket, wait_until
+from itest import HERE, call, default_socket, wait_until
 
 pytestmark = pytest.mark.slow
 
