@@ -16,6 +16,26 @@ from pathlib import Path
 READY = "Weight cache daemon READY"
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of `pid`, found by their parent pid in /proc/*/stat.
+
+    Not /proc/PID/task/TID/children: a thread can end between listing the tasks and reading its
+    file (a FileNotFoundError that once failed CI), and that file only lists one thread's children.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        # Field 4 is the parent pid; the command name (field 2) may hold spaces, so split after ')'.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return sorted(found)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

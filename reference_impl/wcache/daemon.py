@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,7 +37,8 @@ from .errors import (
     UserError,
 )
 from .fingerprint import cache_key, checkpoint_digest, mismatched_fields
-from .protocol import ProtocolError, close_fds, encode, recv_frame, reply, send_frame
+from .protocol import ProtocolError, close_fds, drain, encode, recv_frame, reply, send_frame
+from .ranks import exit_after_collectives
 from .sockets import DaemonLock, prepare_socket_dir, socket_name
 from .transport import make_arena, manifest
 
@@ -174,12 +174,12 @@ class RankDaemon:
                 continue
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 
-    def _refuse(self, conn: socket.socket, error: str, message: str, drain: bool = False) -> None:
+    def _refuse(self, conn: socket.socket, error: str, message: str, drain_input: bool = False) -> None:
         try:
             conn.settimeout(1.0)
             send_frame(conn, reply(False, error=error, message=message))
-            if drain:
-                _drain(conn)
+            if drain_input:
+                drain(conn)
         except OSError:
             pass
         conn.close()
@@ -192,7 +192,7 @@ class RankDaemon:
             if uid != os.getuid():
                 msg = REASONS["rejected"].format(uid=uid)
                 log.warning("%s (pid %d)", msg, pid)
-                self._refuse(conn, "rejected", msg, drain=True)
+                self._refuse(conn, "rejected", msg, drain_input=True)
                 return
             conn.settimeout(REQUEST_TIMEOUT_S)
             while not self.stop.is_set():
@@ -204,14 +204,14 @@ class RankDaemon:
                 except ProtocolError as e:
                     log.warning("Bad frame from pid %d: %s", pid, e)
                     send_frame(conn, reply(False, error="protocol", message=str(e)))
-                    _drain(conn)
+                    drain(conn)
                     return
                 answer, fds = self._handle(cid, req)
                 send_frame(conn, answer, fds)
                 if isinstance(answer, dict) and not answer["ok"]:
                     log.warning(REFUSED_LOG, str(req.get("op"))[:64], pid, answer["error"], answer["message"])
                     if answer["error"] == "protocol":
-                        _drain(conn)
+                        drain(conn)
                         return
                 if cid in self.leases:
                     # A zero_copy lease is this open connection for the engine's whole life: an idle
@@ -293,22 +293,6 @@ def _peer_pid(conn: socket.socket) -> int:
         return -1
 
 
-def _drain(conn: socket.socket, limit: int = 1 << 20, seconds: float = 1.0) -> None:
-    """After our last frame, read (bounded) what the peer still sends: closing a Unix socket with
-    unread input resets the connection, and the peer would lose the answer we just sent."""
-    deadline = time.monotonic() + seconds
-    got = 0
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        while got < limit and (left := deadline - time.monotonic()) > 0:
-            conn.settimeout(left)
-            chunk = conn.recv(65536)
-            if not chunk:
-                break
-            got += len(chunk)
-    except OSError:
-        pass
-
 
 def main() -> int:
     spec = json.loads(os.environ["WCACHE_RANK_SPEC"])
@@ -337,4 +321,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A rank that joined a multi-node world must skip gloo's teardown (see exit_after_collectives),
+    # also when it exits 2 because the nodes' checkpoints differ.
+    exit_after_collectives(main())

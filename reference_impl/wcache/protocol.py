@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import struct
+import time
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 << 20  # a 10,000-tensor manifest is about 1.5 MB
@@ -102,3 +103,23 @@ def request(op: str, **fields) -> dict:
 
 def reply(ok: bool, **fields) -> dict:
     return {"v": PROTOCOL_VERSION, "ok": ok, **fields}
+
+
+def drain(conn: socket.socket, limit: int = 1 << 20, seconds: float = 1.0) -> None:
+    """After our last frame, read (bounded) what the peer still sends and drop it.
+
+    Closing a socket with unread input resets the connection (Unix and TCP alike), and the peer
+    would lose the answer we just sent: its shutdown or recv fails instead of reading our refusal.
+    """
+    deadline = time.monotonic() + seconds
+    got = 0
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        while got < limit and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            got += len(chunk)
+    except OSError:
+        pass

@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -354,6 +356,21 @@ def join_daemon_world(world: dict | None, ranks: Ranks, device: str, digest: str
         raise ParallelConfigError(DIGEST_MISMATCH.format(detail=detail))
     log.info("Rank %d joined the daemon world of %d at %s (%s); all ranks hold checkpoint %s", rank,
              world["world_size"], world["init_method"], world["backend"], digest[:12])
+
+
+def exit_after_collectives(code: int) -> None:
+    """Leave the process without running the process group's C++ teardown.
+
+    Callers have stopped their work (ranks told to stop, leases closed, or startup failed with a
+    logged reason). What is left is gloo's destructor, which aborts the process ("terminate called
+    without an active exception", SIGABRT, exit -6) when a peer on another node has already closed
+    its connections: a clean stop, or a clear exit 2, must not look like a crash to Docker or
+    Kubernetes.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # -- the engine's ranks -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ from pathlib import Path
 from . import autotune
 from .config import EngineConfig
 from .errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
-from .protocol import ProtocolError, recv_frame, reply, request, send_frame
+from .protocol import ProtocolError, drain, recv_frame, reply, request, send_frame
 
 log = logging.getLogger("wcache.seed")
 
@@ -156,11 +156,13 @@ class SeedServer:
             conn.settimeout(TIMEOUT_S)
             if self._limited(peer):
                 send_frame(conn, reply(False, error="rate_limited", message="too many bad tokens; retry later"))
+                drain(conn)  # refused unread: without draining, the reset could swallow the answer
                 return
             try:
                 req, fds = recv_frame(conn, max_bytes=MAX_REQUEST_BYTES)
             except (ProtocolError, EOFError) as e:
                 send_frame(conn, reply(False, error="protocol", message=str(e)[:200]))
+                drain(conn)
                 return
             for fd in fds:  # TCP carries none, but never keep one
                 os.close(fd)

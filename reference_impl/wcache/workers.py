@@ -50,6 +50,7 @@ from .ranks import (
     SPEC_SOCKET_PATH,
     ParallelConfigError,
     check_draft,
+    exit_after_collectives,
     parse_speculative_config,
     plan_engine,
 )
@@ -427,19 +428,6 @@ def run_serve(args, loader_config) -> int:
     run_until_signal(server, on_stop=on_stop)
     log.info("Engine stopped")
     exit_after_collectives(0)
-
-
-def exit_after_collectives(code: int) -> None:
-    """Leave the process without running the process group's C++ teardown.
-
-    Every rank has been told to stop and every lease is closed by now. What is left is gloo's
-    destructor, which aborts the process (SIGABRT, exit -6) when a peer on another node has already
-    closed its connections: a clean stop must not look like a crash to Docker or Kubernetes.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:

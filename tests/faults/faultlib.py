@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from procs import call  # noqa: F401  (the fault tests import call from here)
+from procs import call, child_pids  # noqa: F401  (the fault tests import call from here)
 from wcache.device import device_identity
 from wcache.protocol import (
     MAX_FDS,
@@ -57,7 +57,7 @@ def default_socket(env: dict) -> Path:
 
 def rank_pids(launcher_pid: int) -> list[int]:
     """The daemon rank processes a `wcache preload` launcher started (its children)."""
-    return [int(p) for p in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()]
+    return child_pids(launcher_pid)
 
 
 def fd_count(pid: int) -> int:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from procs import call  # noqa: F401  (re-exported: the raw protocol client)
+from procs import call, child_pids  # noqa: F401  (call is re-exported: the raw protocol client)
 from wcache.device import device_identity
 from wcache.sockets import socket_name
 
@@ -21,8 +21,7 @@ def default_socket(env: dict) -> Path:
 
 def rank_pids(launcher_pid: int) -> list[int]:
     """The daemon rank processes a `wcache preload` launcher started (its children)."""
-    text = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text()
-    return [int(p) for p in text.split()]
+    return child_pids(launcher_pid)
 
 
 def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:

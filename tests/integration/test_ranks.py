@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import _healthy, complete, free_port, http
+from procs import _healthy, child_pids, complete, free_port, http
 from wcache import tokenizer
 from wcache.checkpoint import make_checkpoint
 from wcache.config import EngineConfig, Ranks
@@ -88,13 +88,6 @@ def assert_daemon_holds_its_shard(model, r: Ranks, **kw) -> dict[str, torch.Tens
     return got
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    return out
-
-
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -130,13 +123,13 @@ def test_tp2_shards_serve_health_and_sigterm(procs, model32, expected, wcache_en
     assert engine.log().count("Mapped 27 tensors from the weight cache daemon (zero_copy mode)") == 2
     assert tokens(engine.port) == expected
     # An engine rank that dies turns the engine's /health to 503, as a daemon rank does the launcher's.
-    (worker,) = children(engine.pid)
+    (worker,) = child_pids(engine.pid)
     os.kill(worker, signal.SIGKILL)
     wait_until(lambda: http("GET", f"http://127.0.0.1:{engine.port}/health")[0] == 503, what="engine /health 503")
     assert WORKERS_EXITED.format(codes={1: -9}) in engine.log()
     assert engine.stop() == 0
 
-    daemons = children(pre.pid)
+    daemons = child_pids(pre.pid)
     assert len(daemons) == 2 and http("GET", f"http://127.0.0.1:{health}/health")[0] == 200
     os.kill(daemons[1], signal.SIGKILL)
     wait_until(lambda: http("GET", f"http://127.0.0.1:{health}/health")[0] == 503, what="/health 503")
@@ -208,7 +201,7 @@ def test_checkpoint_mismatch_across_nodes_fails_clearly(procs, model32, draft32,
                                          "--weight-cache-socket-dir", str(Path(wcache_env["TMPDIR"]) / f"n{i}")),
                           ready=False) for i, m in enumerate((model32, draft32))]
     for i, p in enumerate(pres):
-        assert p.exit_code(90) == 2
+        assert p.exit_code(90) == 2, p.log()
         assert "Checkpoint content differs across weight cache daemon ranks (rank(s) [0] have " in p.log()
         assert STARTUP_FAILED.format(codes={i: 2}) in p.log()
 
