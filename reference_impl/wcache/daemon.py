@@ -37,10 +37,19 @@ from .errors import (
     UserError,
 )
 from .fingerprint import cache_key, checkpoint_digest, mismatched_fields
-from .protocol import ProtocolError, close_fds, drain, encode, recv_frame, reply, send_frame
+from .handback import HANDED_BACK_KINDS, take_back
+from .protocol import (
+    ProtocolError,
+    close_fds,
+    drain,
+    encode,
+    recv_frame,
+    reply,
+    send_frame,
+)
 from .ranks import exit_after_collectives
 from .sockets import DaemonLock, prepare_socket_dir, socket_name
-from .transport import make_arena, manifest
+from .transport import CpuArena, CudaVmmArena, make_arena, manifest, resolve_transport
 
 log = logging.getLogger("wcache.daemon")
 
@@ -82,24 +91,47 @@ class RankDaemon:
         t0 = time.perf_counter()
         digest, stats = checkpoint_digest(self.cfg.model)
         self.key = cache_key(self.cfg, digest)
-        from .ranks import join_daemon_world  # one torch.distributed world over all ranks and nodes
+        from .ranks import (
+            join_daemon_world,  # one torch.distributed world over all ranks and nodes
+        )
 
         join_daemon_world(self.spec.get("world"), self.cfg.ranks, self.cfg.device, digest)
-        weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
-        self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
-        self.aliases, self.attrs = weights.aliases, weights.attrs
-        self.weights_bytes = weights.nbytes
+        adopted = self._take_back() if self.spec.get("adopt", True) else None
+        if adopted:
+            self.arena, self.aliases, self.attrs = adopted
+            self.weights_bytes = self.arena.weights_bytes
+        else:
+            weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
+            self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
+            self.aliases, self.attrs = weights.aliases, weights.attrs
+            self.weights_bytes = weights.nbytes
+            del weights
+            gc.collect()  # the post-processed copies are in the arena now; free the transients
+            if self.cfg.device == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just to torch's pool
         # The answer to get_state never changes: encode it once (10,000 entries take ms to encode).
         self.state_frame = encode(reply(True, arena=self.arena.descriptor(), manifest=manifest(self.arena.layout),
                                         aliases=self.aliases, attrs=self.attrs, device_id=self.device_id,
                                         weights_bytes=self.weights_bytes))
-        del weights
-        gc.collect()  # the post-processed copies are in the arena now; free the transients
-        if self.cfg.device == "cuda":
-            torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just to torch's pool
+        if adopted:
+            return
         log.info("Rank %d loaded %d tensors (%.1f MiB) into a %s arena in %.2f s (hashed %d of %d files)",
                  self.rank, len(self.arena.layout.entries), self.weights_bytes / 2**20, self.arena.kind,
                  time.perf_counter() - t0, stats["files_hashed"], stats["files"])
+
+    def _take_back(self):
+        """(arena, aliases, attrs) handed back by a running zero_copy engine (handback.py), or None."""
+        kind = resolve_transport(self.spec.get("transport", "auto"), self.cfg.torch_device)
+        if kind not in HANDED_BACK_KINDS:
+            return None
+        device = self.cfg.torch_device
+
+        def adopt(desc, layout, fd):
+            if kind == CpuArena.kind:
+                return CpuArena.adopt(desc, layout, fd)
+            return CudaVmmArena.adopt(desc, layout, fd, device)
+
+        return take_back(self.socket_path(), self.key, self.device_id, kind, adopt, self.rank)
 
     def autotune_pass(self) -> None:
         """Pull the tuned cache from a seed daemon if one is given, then load or tune it (before the
@@ -127,13 +159,16 @@ class RankDaemon:
             self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
                                                lambda: self.autotune_doc, self.rank).start()
 
-    def bind(self) -> socket.socket:
+    def socket_path(self) -> Path:
         if self.spec.get("socket_path"):
             path = Path(self.spec["socket_path"])
             prepare_socket_dir(path.parent, create=True)
-        else:
-            d = prepare_socket_dir(self.spec.get("socket_dir"), create=True)
-            path = d / socket_name(self.device_id, self.spec.get("draft", False))
+            return path
+        d = prepare_socket_dir(self.spec.get("socket_dir"), create=True)
+        return d / socket_name(self.device_id, self.spec.get("draft", False))
+
+    def bind(self) -> socket.socket:
+        path = self.socket_path()
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise UserError(SOCKET_PATH_TOO_LONG.format(path=path, n=len(os.fsencode(path)), max=MAX_SOCKET_PATH))
         self.path = path

@@ -136,6 +136,20 @@ REASONS = {
 # connections for now, or be restarting after a crash.
 RETRYABLE = {"no_socket", "refused", "busy", "lost"}
 
+# Handing the arena back to a restarted daemon (handback.py). The engine's log lines:
+LEASE_LOST = ("The weight cache daemon at {path} went away; this engine keeps serving from the weights it maps "
+              "and offers them to the next daemon at {offer}")
+NO_OFFER = "The weight cache daemon at {path} went away; this engine keeps its weights but cannot offer them: {error}"
+HANDED_BACK = "Handed the weight arena back to a restarted daemon (pid {pid})"
+LEASED_AGAIN = "Leased the weights again from the restarted weight cache daemon at {path} (same arena)"
+OTHER_COPY = ("The restarted weight cache daemon at {path} loaded its own copy; this engine keeps serving from the "
+              "memory it maps, and frees it when it exits")
+# The daemon's log lines.
+ADOPTED = ("Rank {rank} adopted the arena of a running engine (pid {pid}): {n} tensors ({mib:.1f} MiB) in {seconds:.2f} s, "
+           "without reading the checkpoint")
+OFFER_SKIPPED = "Rank {rank} did not adopt the arena offered at {offer}: {why}"
+STALE_OFFER = "Removed stale hand-back socket {offer}: no engine listens there"
+
 # What a daemon rank answers when it refuses a request ({"ok": false, "error": KIND, "message": ...}),
 # besides the REASONS texts it sends for "rejected", "mismatch" and "released". The last two are
 # the "protocol" kind's texts for a well-formed frame that is not a valid request (malformed frames

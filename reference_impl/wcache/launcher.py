@@ -8,6 +8,7 @@ group down with its exit code; SIGINT/SIGTERM stops every rank, and each removes
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -43,6 +44,9 @@ def add_preload_args(p) -> None:
                    help="how GPU weights are shared: vmm_fd (a CUDA VMM allocation passed as a file descriptor; "
                         "crosses container namespaces), cuda_ipc (legacy CUDA IPC handle), or auto (vmm_fd when "
                         "cuda-python's driver bindings are installed); CPU always uses a memfd")
+    g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
+                   help="before loading, take the weights back from a running zero_copy engine whose daemon "
+                        "died (memfd and vmm_fd arenas; see docs/faults.md)")
     from .ranks import add_daemon_port_args
 
     add_daemon_port_args(g)
@@ -142,7 +146,7 @@ def run_preload(args) -> int:
 
     spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
-            "transport": args.weight_cache_transport,
+            "transport": args.weight_cache_transport, "adopt": args.weight_cache_adopt,
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],

@@ -27,8 +27,14 @@ import torch
 from . import errors
 from .config import EngineConfig
 from .device import device_identity
-from .errors import CacheUnusable, LoaderConfigError, UnsupportedPlatformForIPCError, UnsupportedQuantForIPCError
+from .errors import (
+    CacheUnusable,
+    LoaderConfigError,
+    UnsupportedPlatformForIPCError,
+    UnsupportedQuantForIPCError,
+)
 from .fingerprint import cache_key
+from .handback import HANDED_BACK_KINDS, ArenaOffer
 from .postprocess import ProcessedWeights
 from .protocol import ProtocolError, close_fds, recv_frame, request, send_frame
 from .sockets import check_socket_file, prepare_socket_dir, socket_name
@@ -152,8 +158,17 @@ class CacheClient:
         return answer, fds
 
     mapping = None  # the daemon's memory this engine maps (zero_copy); let go of it on close
+    offer = None  # handback.ArenaOffer: gives the arena to a restarted daemon if this one dies
+
+    def relink(self, sock: socket.socket) -> None:
+        """Hold ``sock`` as the lease from now on (a restarted daemon serving the same arena)."""
+        old, self.sock = self.sock, sock
+        old.close()
 
     def close(self) -> None:
+        if self.offer is not None:  # first: it watches the lease socket closed below
+            self.offer.close()
+            self.offer = None
         if self.mapping is not None:
             self.mapping.close()
             self.mapping = None
@@ -172,6 +187,7 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
     t = time.perf_counter()
     client = CacheClient(path, lc)
     phases["connect"], t = time.perf_counter() - t, time.perf_counter()
+    kept = None
     try:
         answer, fds = client.call("get_state", key=key, mode=lc.mode)
         phases["request"], t = time.perf_counter() - t, time.perf_counter()
@@ -183,6 +199,10 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
         if lc.transport != "auto" and served != resolve_transport(lc.transport, cfg.torch_device):
             close_fds(fds)
             raise CacheUnusable("transport", served=served, wanted=lc.transport)
+        # zero_copy keeps one descriptor of a memfd or VMM arena, to hand it back to a restarted
+        # daemon (handback.py); open_arena closes the ones it receives.
+        if lc.mode == "zero_copy" and served in HANDED_BACK_KINDS and len(fds) == 1 and answer["arena"].get("id"):
+            kept = os.dup(fds[0])
         try:
             mapped = open_arena(answer.get("arena") or {}, fds, cfg.torch_device)
         except ProtocolError as e:
@@ -218,10 +238,26 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
             phases["release"] = time.perf_counter() - t
             return weights, None
         client.mapping = mapped
+        if kept is not None:
+            client.offer = ArenaOffer(client.sock, answer, kept, key, path, lambda: _lease_again(path, lc, key),
+                                      client.relink)
+            kept = None
         return weights, client  # zero_copy: the open connection is our lease
+    except BaseException:
+        close_fds([kept] if kept is not None else [])
+        client.close()
+        raise
+
+
+def _lease_again(path: Path, lc: LoaderConfig, key: dict):
+    """(socket, answer, fds) of a zero_copy get_state on a restarted daemon; raises while none serves."""
+    client = CacheClient(path, lc)
+    try:
+        answer, fds = client.call("get_state", key=key, mode="zero_copy")
     except BaseException:
         client.close()
         raise
+    return client.sock, answer, fds
 
 
 def load_from_cache(cfg: EngineConfig, lc: LoaderConfig | None, draft: bool = False):

@@ -17,6 +17,7 @@ import fcntl
 import mmap
 import os
 import re
+import uuid
 import warnings
 from dataclasses import dataclass
 
@@ -47,10 +48,44 @@ class Layout:
     size: int  # arena bytes, a multiple of the page size
 
     @property
+    def weights_bytes(self) -> int:
+        return sum(len(g["names"]) * DTYPES[g["dtype"]].itemsize * _numel(g["shape"]) for g in self.groups)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, size: int) -> "Layout":
+        """The layout a manifest describes; malformed ones raise ProtocolError (bind_views then
+        checks that every view lies inside the arena)."""
+        try:
+            groups = manifest["groups"]
+            for g in groups:
+                if set(g) != {"names", "dtype", "shape", "stride", "offset", "step"} or g["dtype"] not in DTYPES \
+                        or not all(isinstance(n, str) for n in g["names"]) \
+                        or not all(isinstance(d, int) and d >= 0 for d in g["shape"]):
+                    raise ProtocolError(f"bad manifest group {str(g)[:200]}")
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad manifest: {str(e)[:200]}") from None
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % PAGE:
+            raise ProtocolError(f"bad arena size {size!r}")
+        return cls(groups, size)
+
+    @property
     def entries(self) -> list[dict]:
         """Per tensor: name, dtype, shape, stride, offset."""
         return [{"name": n, "dtype": g["dtype"], "shape": g["shape"], "stride": g["stride"],
                  "offset": g["offset"] + i * g["step"]} for g in self.groups for i, n in enumerate(g["names"])]
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def new_arena_id() -> str:
+    """Names one packed arena for its whole life, across daemons that adopt it: an engine that
+    handed its arena back knows by this id that a restarted daemon serves the same memory."""
+    return uuid.uuid4().hex
 
 
 def _group_key(name: str, t: torch.Tensor) -> tuple:
@@ -81,6 +116,7 @@ class CpuArena:
     def __init__(self, weights: ProcessedWeights):
         self.layout = plan_layout(weights.tensors, CPU_ALIGN)
         self.weights_bytes = weights.nbytes
+        self.id = new_arena_id()
         self.fd = os.memfd_create("wcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.layout.size)
         for e in self.layout.entries:
@@ -100,8 +136,31 @@ class CpuArena:
     def size(self) -> int:
         return self.layout.size
 
+    @classmethod
+    def adopt(cls, desc: dict, layout: "Layout", fd: int) -> "CpuArena":
+        """Serve a memfd an engine handed back (handback.py) instead of packing a new one.
+
+        Only a memfd sealed against writes, growth and shrinking is taken: then its bytes are the
+        ones the first daemon packed, whoever held it since. The descriptor is ours afterwards.
+        """
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        needed = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+        if seals & needed != needed:
+            raise ProtocolError("the handed-back memfd is not sealed against writes, growth and shrinking")
+        if os.fstat(fd).st_size != layout.size:
+            raise ProtocolError(f"the handed-back memfd holds {os.fstat(fd).st_size} bytes, not {layout.size}")
+        self = cls.__new__(cls)
+        self.layout, self.fd, self.id = layout, fd, desc["id"]
+        self.map = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                             prot=mmap.PROT_READ)
+        self.weights_bytes = layout.weights_bytes
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            bind_views(torch.frombuffer(self.map, dtype=torch.uint8), {"groups": layout.groups}, {})
+        return self
+
     def descriptor(self) -> dict:
-        return {"kind": self.kind, "size": self.layout.size}
+        return {"kind": self.kind, "size": self.layout.size, "id": self.id}
 
     def fds(self) -> list[int]:
         return [self.fd]
@@ -189,13 +248,15 @@ class CudaArena:
         self.ptr = cuda_ipc.malloc(self.layout.size, device)
         _fill_device_arena(cuda_ipc.as_tensor(self.ptr, self.layout.size, device), self.layout, weights)
         self.handle = cuda_ipc.export_handle(self.ptr)
+        self.id = new_arena_id()
 
     @property
     def size(self) -> int:
         return self.layout.size
 
     def descriptor(self) -> dict:
-        return {"kind": self.kind, "size": self.layout.size, "handle": base64.b64encode(self.handle).decode()}
+        return {"kind": self.kind, "size": self.layout.size, "handle": base64.b64encode(self.handle).decode(),
+                "id": self.id}
 
     def fds(self) -> list[int]:
         return []
@@ -223,13 +284,31 @@ class CudaVmmArena:
         self.alloc = cuda_vmm.create(self.layout.size, device)
         _fill_device_arena(self.alloc.tensor(device), self.layout, weights)
         self.fd = cuda_vmm.export_fd(self.alloc)
+        self.id = new_arena_id()
+
+    @classmethod
+    def adopt(cls, desc: dict, layout: "Layout", fd: int, device: torch.device) -> "CudaVmmArena":
+        """Serve a VMM allocation an engine handed back: import it (our own reference, so the memory
+        lives while this daemon does) and pass the same descriptor on to later engines."""
+        from . import cuda_vmm
+
+        alloc = cuda_vmm.import_fd(os.dup(fd), layout.size, device)
+        try:
+            bind_views(alloc.tensor(device), {"groups": layout.groups}, {})
+        except ProtocolError:
+            alloc.close()
+            raise
+        self = cls.__new__(cls)
+        self.layout, self.alloc, self.fd, self.device, self.id = layout, alloc, fd, device, desc["id"]
+        self.weights_bytes = layout.weights_bytes
+        return self
 
     @property
     def size(self) -> int:
         return self.layout.size
 
     def descriptor(self) -> dict:
-        return {"kind": self.kind, "size": self.alloc.size}
+        return {"kind": self.kind, "size": self.alloc.size, "id": self.id}
 
     def fds(self) -> list[int]:
         return [self.fd]

@@ -1,0 +1,291 @@
+"""Hand the arena back: a restarted daemon takes the weights from a running zero_copy engine.
+
+When a daemon dies, every ``zero_copy`` engine still maps its arena, and for a memfd or a CUDA VMM
+allocation the engine's mapping keeps that memory alive. The engine also kept one descriptor of
+the arena. So instead of reading the checkpoint again, the next daemon can serve that memory:
+
+1. Engine: its lease connection hangs up. It keeps serving from the memory it maps, and offers
+   the arena on a Unix socket next to the daemon's, ``<daemon socket>.handback-<random>``
+   (mode 0600, in the same socket directory, so it works across containers that share it).
+2. Daemon: after hashing the checkpoint and before loading it, it looks for such offers. It asks
+   each with its cache key; an engine of the same uid answers with the arena's descriptor,
+   manifest, aliases and attributes and passes the descriptor (SCM_RIGHTS). The daemon takes it
+   only if the cache key, device and transport are its own, the manifest lies inside the arena,
+   and (memfd) the seals forbid writes. Anything else is logged and it loads from disk.
+3. Engine: it re-leases from the daemon that now serves the same arena (same arena id), and
+   removes its offer. If the new daemon loaded its own copy instead, the engine keeps its memory,
+   stops offering and says so.
+
+Legacy CUDA IPC cannot be handed back: its handle names the exporting process, which is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+
+from .errors import (
+    ADOPTED,
+    HANDED_BACK,
+    LEASE_LOST,
+    LEASED_AGAIN,
+    NO_OFFER,
+    OFFER_SKIPPED,
+    OTHER_COPY,
+    STALE_OFFER,
+)
+from .fingerprint import mismatched_fields
+from .protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
+from .sockets import check_socket_file
+
+log = logging.getLogger("wcache.handback")
+
+OFFER_SUFFIX = ".handback-"
+HANDED_BACK_KINDS = ("memfd", "cuda_vmm_fd")  # arenas a descriptor can carry; not cuda_ipc
+ASK_TIMEOUT_S = 10.0
+RELEASE_POLL_S = 0.25
+MAX_SOCKET_PATH = 107
+
+
+
+# -- engine side ------------------------------------------------------------------------------
+class ArenaOffer:
+    """Watches a zero_copy lease; when the daemon goes, offers the arena until a daemon serves it again.
+
+    ``relink(sock)`` is called with the new lease connection once a restarted daemon serves the
+    same arena id; the loader's client then holds that connection as its lease.
+    """
+
+    def __init__(self, lease: socket.socket, state: dict, fd: int, key: dict, path: Path, connect, relink):
+        self.state, self.fd, self.key, self.path = state, fd, key, path
+        self.arena_id = (state.get("arena") or {}).get("id")
+        self._connect, self._relink = connect, relink
+        self._lease = lease
+        self._stop = threading.Event()
+        self.offer_path: Path | None = None
+        self._listener: socket.socket | None = None
+        self._thread = threading.Thread(target=self._run, name="wcache-handback", daemon=True)
+        self._thread.start()
+
+    # The watcher polls for the daemon's hang-up without reading: the lease socket stays free for
+    # the loader's own requests (get_memory).
+    def _lease_lost(self) -> bool:
+        poller = select.poll()
+        poller.register(self._lease, select.POLLRDHUP)
+        while not self._stop.is_set():
+            for _fd, events in poller.poll(200):
+                if events & select.POLLNVAL:  # our own side closed it: the engine is stopping
+                    return False
+                return True  # POLLRDHUP, POLLHUP or POLLERR: the daemon's side is gone
+        return False
+
+    def _run(self) -> None:
+        try:
+            while self._lease_lost():
+                if not self._offer():
+                    return
+                if not self._serve_until_leased():
+                    return
+        except Exception:  # noqa: BLE001 - the engine keeps serving whatever happens here
+            log.exception("Offering the weight arena back failed")
+
+    def _offer(self) -> bool:
+        offer = self.path.with_name(self.path.name + OFFER_SUFFIX + secrets.token_hex(4))
+        try:
+            if len(os.fsencode(offer)) > MAX_SOCKET_PATH:
+                raise OSError(errno.ENAMETOOLONG, f"{offer} is longer than a Unix socket path may be")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                listener.bind(str(offer))
+            finally:
+                os.umask(old)
+            listener.listen(8)
+            listener.settimeout(RELEASE_POLL_S)
+        except OSError as e:
+            log.warning(NO_OFFER.format(path=self.path, error=e))
+            return False
+        self._listener, self.offer_path = listener, offer
+        log.warning(LEASE_LOST.format(path=self.path, offer=offer))
+        return True
+
+    def _serve_until_leased(self) -> bool:
+        """Answer adopters and try to re-lease; True once leased again (watch that lease next)."""
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                conn = None
+            if conn is not None:
+                with conn:
+                    self._answer(conn)
+            leased = self._try_lease()
+            if leased is not None:
+                self._withdraw()
+                return leased
+        return False
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            conn.settimeout(ASK_TIMEOUT_S)
+            req, fds = recv_frame(conn)
+            close_fds(fds)
+            if uid != os.getuid():
+                send_frame(conn, reply(False, error="rejected", message=f"uid {uid} may not take this arena"))
+            elif req.get("op") != "hand_back":
+                send_frame(conn, reply(False, error="protocol", message="expected hand_back"))
+            else:
+                send_frame(conn, reply(True, key=self.key, **{k: self.state.get(k) for k in
+                                       ("arena", "manifest", "aliases", "attrs", "device_id")}), [self.fd])
+                log.info(HANDED_BACK.format(pid=pid))
+        except (OSError, ProtocolError, EOFError) as e:
+            log.warning("A hand-back request failed: %s", e)
+
+    def _try_lease(self) -> bool | None:
+        """True: leased the same arena again. False: the daemon serves another copy. None: not yet."""
+        try:
+            sock, answer, fds = self._connect()
+        except Exception:  # noqa: BLE001 - no daemon (yet), or one that refuses us: try again later
+            return None
+        close_fds(fds)
+        if (answer.get("arena") or {}).get("id") == self.arena_id:
+            self._lease = sock
+            self._relink(sock)
+            log.info(LEASED_AGAIN.format(path=self.path))
+            return True
+        sock.close()
+        log.warning(OTHER_COPY.format(path=self.path))
+        return False
+
+    def _withdraw(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self.offer_path is not None:
+            try:
+                os.unlink(self.offer_path)
+            except FileNotFoundError:
+                pass
+            self.offer_path = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self._withdraw()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# -- daemon side ------------------------------------------------------------------------------
+def offers(socket_path: Path) -> list[Path]:
+    """The hand-back sockets engines left next to this daemon socket (oldest first)."""
+    prefix = socket_path.name + OFFER_SUFFIX
+    try:
+        found = [p for p in socket_path.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return []
+
+    def age(p: Path) -> float:
+        try:
+            return os.lstat(p).st_mtime
+        except OSError:
+            return 0.0
+
+    return sorted(found, key=age)
+
+
+def take_back(socket_path: Path, key: dict, device_id: str, kind: str, adopt, rank: int):
+    """(arena, aliases, attrs) from the first engine that offers a matching arena, else None.
+
+    ``adopt(desc, manifest, fd)`` builds the arena object and raises ProtocolError (or OSError,
+    RuntimeError from the driver) when the memory is not acceptable.
+    """
+    for offer in offers(socket_path):
+        t0 = time.perf_counter()
+        try:
+            check_socket_file(offer)
+        except OSError as e:
+            log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
+            continue
+        got = _ask(offer, rank)
+        if got is None:
+            continue
+        pid, answer, fds = got
+        try:
+            arena, aliases, attrs = _accept(answer, fds, key, device_id, kind, adopt)
+        except (ProtocolError, OSError, RuntimeError, ValueError) as e:
+            close_fds(fds)
+            log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
+            continue
+        log.info(ADOPTED.format(rank=rank, pid=pid, n=len(arena.layout.entries), mib=arena.weights_bytes / 2**20,
+                                seconds=time.perf_counter() - t0))
+        return arena, aliases, attrs
+    return None
+
+
+def _ask(offer: Path, rank: int):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(ASK_TIMEOUT_S)
+    try:
+        try:
+            sock.connect(str(offer))
+        except (ConnectionRefusedError, FileNotFoundError):
+            # Nobody listens: the engine that made it is gone. It is a socket of our uid (checked).
+            try:
+                if stat.S_ISSOCK(os.lstat(offer).st_mode):
+                    os.unlink(offer)
+                    log.info(STALE_OFFER.format(offer=offer))
+            except OSError:
+                pass
+            return None
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            raise OSError(f"the process listening there runs as uid {uid}, not {os.getuid()}")
+        send_frame(sock, request("hand_back"))
+        answer, fds = recv_frame(sock)
+        if not answer.get("ok"):
+            close_fds(fds)
+            raise ProtocolError(f"{answer.get('error')}: {answer.get('message')}")
+        return pid, answer, fds
+    except (OSError, ProtocolError, EOFError) as e:
+        log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e or type(e).__name__))
+        return None
+    finally:
+        sock.close()
+
+
+def _accept(answer: dict, fds: list[int], key: dict, device_id: str, kind: str, adopt):
+    from .transport import Layout
+
+    if len(fds) != 1:
+        raise ProtocolError(f"expected one arena descriptor, got {len(fds)}")
+    theirs = answer.get("key")
+    if not isinstance(theirs, dict):
+        raise ProtocolError("the offer carries no cache key")
+    fields = mismatched_fields(key, theirs)
+    if fields:
+        raise ValueError(f"it holds other weights (cache key fields differ: {fields[:8]})")
+    if answer.get("device_id") != device_id:
+        raise ValueError(f"it maps device {answer.get('device_id')}, this rank serves {device_id}")
+    desc, aliases, attrs = answer.get("arena"), answer.get("aliases"), answer.get("attrs")
+    if not isinstance(desc, dict) or desc.get("kind") != kind:
+        raise ValueError(f"it holds a {(desc or {}).get('kind')!r} arena, this rank serves {kind!r}")
+    if not isinstance(desc.get("id"), str) or not isinstance(attrs, dict) or not isinstance(aliases, dict):
+        raise ProtocolError("the offer lacks an arena id, aliases or attributes")
+    layout = Layout.from_manifest(answer.get("manifest") or {}, desc.get("size"))
+    names = {e["name"] for e in layout.entries}
+    if not all(isinstance(a, str) and t in names for a, t in aliases.items()):
+        raise ProtocolError("an alias names a tensor the arena does not hold")
+    return adopt(desc, layout, fds[0]), aliases, attrs
