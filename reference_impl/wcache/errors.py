@@ -142,8 +142,9 @@ LEASE_LOST = ("The weight cache daemon at {path} went away; this engine keeps se
 NO_OFFER = "The weight cache daemon at {path} went away; this engine keeps its weights but cannot offer them: {error}"
 HANDED_BACK = "Handed the weight arena back to a restarted daemon (pid {pid})"
 LEASED_AGAIN = "Leased the weights again from the restarted weight cache daemon at {path} (same arena)"
-OTHER_COPY = ("The restarted weight cache daemon at {path} loaded its own copy; this engine keeps serving from the "
-              "memory it maps, and frees it when it exits")
+OTHER_COPY = ("The restarted weight cache daemon at {path} did not take this engine's weights ({why}); this engine "
+              "keeps serving from the memory it maps, and frees it when it exits")
+OWN_COPY = "it loaded its own copy"
 # The daemon's log lines.
 ADOPTED = ("Rank {rank} adopted the arena of a running engine (pid {pid}): {n} tensors ({mib:.1f} MiB) in {seconds:.2f} s, "
            "without reading the checkpoint")

@@ -41,7 +41,9 @@ from .errors import (
     NO_OFFER,
     OFFER_SKIPPED,
     OTHER_COPY,
+    OWN_COPY,
     STALE_OFFER,
+    CacheUnusable,
 )
 from .fingerprint import mismatched_fields
 from .protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
@@ -51,7 +53,7 @@ log = logging.getLogger("wcache.handback")
 
 OFFER_SUFFIX = ".handback-"
 HANDED_BACK_KINDS = ("memfd", "cuda_vmm_fd")  # arenas a descriptor can carry; not cuda_ipc
-ASK_TIMEOUT_S = 10.0
+ASK_TIMEOUT_S = 5.0  # an engine answers at once; a hung one must not stall a daemon's start for long
 RELEASE_POLL_S = 0.25
 MAX_SOCKET_PATH = 107
 
@@ -97,6 +99,7 @@ class ArenaOffer:
                     return
         except Exception:  # noqa: BLE001 - the engine keeps serving whatever happens here
             log.exception("Offering the weight arena back failed")
+            self._withdraw()  # no socket left that nobody answers
 
     def _offer(self) -> bool:
         offer = self.path.with_name(self.path.name + OFFER_SUFFIX + secrets.token_hex(4))
@@ -155,8 +158,11 @@ class ArenaOffer:
         """True: leased the same arena again. False: the daemon serves another copy. None: not yet."""
         try:
             sock, answer, fds = self._connect()
-        except Exception:  # noqa: BLE001 - no daemon (yet), or one that refuses us: try again later
-            return None
+        except CacheUnusable as e:
+            if e.kind in ("mismatch", "released"):  # a daemon serves this socket, with other weights
+                log.warning(OTHER_COPY.format(path=self.path, why=e))
+                return False
+            return None  # no daemon yet, or one still starting: try again
         close_fds(fds)
         if (answer.get("arena") or {}).get("id") == self.arena_id:
             self._lease = sock
@@ -164,7 +170,7 @@ class ArenaOffer:
             log.info(LEASED_AGAIN.format(path=self.path))
             return True
         sock.close()
-        log.warning(OTHER_COPY.format(path=self.path))
+        log.warning(OTHER_COPY.format(path=self.path, why=OWN_COPY))
         return False
 
     def _withdraw(self) -> None:

@@ -16,6 +16,7 @@ from procs import Processes, complete
 from wcache.checkpoint import make_checkpoint
 from wcache.config import EngineConfig
 from wcache.engine import load_weights
+from wcache.errors import LEASED_AGAIN
 from wcache.loader import LoaderConfig, load_from_cache
 from wcache.protocol import recv_frame, reply, send_frame
 
@@ -161,3 +162,37 @@ def test_zero_copy_engine_keeps_serving_after_the_daemon_is_killed(gpu, tiny_mod
     after = _ids(eng.port)
     print(json.dumps({"zero_copy_after_daemon_sigkill": "served", "same_output": before == after}))
     assert before == after
+
+
+def test_a_restarted_daemon_adopts_a_vmm_arena_and_reloads_a_cuda_ipc_one(gpu, small_model, transport):
+    """vmm_fd: the engine hands its allocation back and the new daemon allocates no second copy.
+    cuda_ipc: the handle died with its daemon, so the new daemon loads from disk.
+
+    Each daemon start also costs a CUDA context; comparing the two starts cancels it out."""
+    torch.empty(1, device="cuda")
+    weights = sum(f.stat().st_size for f in small_model.glob("*.safetensors"))
+    free = _free_bytes()
+    gpu.preload(small_model)
+    first = free - _free_bytes()
+    eng = gpu.serve(small_model, "--load-format", "ipc_cache")
+    before = _ids(eng.port)
+    gpu.started[0].kill_group()  # SIGKILL the launcher and its rank
+    if transport == "vmm_fd":
+        eng.wait_for_log("went away; this engine keeps serving", timeout=15)
+    free = _free_bytes()
+    second = gpu.preload(small_model)
+    again = free - _free_bytes()
+    log = second.log()
+    print(json.dumps({"transport": transport, "weights_mib": round(weights / 2**20),
+                      "first_daemon_took_mib": round(first / 2**20), "restarted_daemon_took_mib": round(again / 2**20),
+                      "adopted": "adopted the arena of a running engine" in log}))
+    if transport == "vmm_fd":
+        assert "Rank 0 adopted the arena of a running engine" in log and "Rank 0 loaded" not in log
+        eng.wait_for_log(LEASED_AGAIN.split(" at ")[0], timeout=15)
+        assert first - again > 0.8 * weights
+    else:
+        assert "Rank 0 loaded" in log
+        assert abs(first - again) < 0.2 * weights
+    assert _ids(eng.port) == before
+    fresh = gpu.serve(small_model, "--load-format", "ipc_cache")
+    assert _ids(fresh.port) == before

@@ -1,0 +1,226 @@
+"""A restarted daemon takes the arena back from a running zero_copy engine instead of reloading.
+
+Real daemons and engines throughout; the hostile offers are a real Unix socket served by this
+test, handing real descriptors (an unsealed memfd, a manifest that reaches outside its arena).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from itest import call, default_socket, rank_pids, wait_until
+from procs import complete
+from wcache.checkpoint import make_checkpoint
+from wcache.config import EngineConfig
+from wcache.device import device_identity
+from wcache.disk import load_processed
+from wcache.errors import (
+    ADOPTED,
+    HANDED_BACK,
+    LEASE_LOST,
+    LEASED_AGAIN,
+    OFFER_SKIPPED,
+    OTHER_COPY,
+    OWN_COPY,
+    STALE_OFFER,
+)
+from wcache.fingerprint import cache_key
+from wcache.handback import OFFER_SUFFIX
+from wcache.protocol import recv_frame, reply, send_frame
+from wcache.transport import CpuArena, manifest
+
+NO_TUNE = "--no-enable-autotune"
+LOADED = "Rank 0 loaded 27 tensors"
+ZERO_COPY = ("--load-format", "ipc_cache", NO_TUNE)
+
+
+def memfd_inode(pid: int) -> int:
+    """The inode of the arena memfd a daemon rank holds: the same inode is the same memory."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        except OSError:
+            continue
+    raise AssertionError(f"pid {pid} holds no arena memfd")
+
+
+def offers_next_to(sock: Path) -> list[Path]:
+    return sorted(sock.parent.glob(sock.name + OFFER_SUFFIX + "*"))
+
+
+def kill_daemon(pre) -> int:
+    """SIGKILL the rank (as a crash would), then stop its launcher; the rank's pid."""
+    [rank] = rank_pids(pre.pid)
+    os.kill(rank, signal.SIGKILL)
+    pre.wait_for_log("exited: {0: -9}", timeout=30)
+    pre.stop()
+    return rank
+
+
+def test_a_restarted_daemon_adopts_the_arena_of_a_running_engine(procs, tiny_model, wcache_env):
+    first = procs.preload(tiny_model, NO_TUNE)
+    sock = default_socket(wcache_env)
+    [rank] = rank_pids(first.pid)
+    inode = memfd_inode(rank)
+    engine = procs.serve(tiny_model, *ZERO_COPY)
+    answer = complete(engine.port, "restart me")
+
+    kill_daemon(first)
+    engine.wait_for_log("went away; this engine keeps serving", timeout=15)
+    [offer] = offers_next_to(sock)
+    assert LEASE_LOST.format(path=sock, offer=offer) in engine.log()
+    assert complete(engine.port, "restart me")["choices"] == answer["choices"]  # serves while the daemon is gone
+
+    second = procs.preload(tiny_model, NO_TUNE)
+    log = second.log()
+    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine.pid, n=27) in log
+    assert "without reading the checkpoint" in log and LOADED not in log
+    [rank2] = rank_pids(second.pid)
+    assert memfd_inode(rank2) == inode  # the first daemon's memory, not a new copy
+    engine.wait_for_log(LEASED_AGAIN.format(path=sock), timeout=15)
+    assert HANDED_BACK.format(pid=rank2) in engine.log()
+    wait_until(lambda: not offers_next_to(sock), 10, "the engine to withdraw its offer")
+    assert call(sock, "get_memory")["zero_copy_engines"] == 1  # the engine's lease, held again
+    assert complete(engine.port, "restart me")["choices"] == answer["choices"]
+
+    # A new engine maps the adopted arena and answers the same.
+    other = procs.serve(tiny_model, *ZERO_COPY)
+    assert "Mapped 27 tensors from the weight cache daemon (zero_copy mode)" in other.log()
+    assert complete(other.port, "restart me")["choices"] == answer["choices"]
+    assert other.stop() == 0
+
+    # And the adopted daemon, killed in turn, is adopted again: the lease is watched anew.
+    kill_daemon(second)
+    engine.wait_for_log("went away; this engine keeps serving", timeout=15)
+    third = procs.preload(tiny_model, NO_TUNE)
+    assert memfd_inode(rank_pids(third.pid)[0]) == inode and LOADED not in third.log()
+    assert engine.stop() == 0
+    assert not offers_next_to(sock)
+
+
+def test_other_weights_are_not_adopted_and_the_engine_keeps_its_own(procs, tiny_model, wcache_env, tmp_path):
+    other_model = make_checkpoint(tmp_path / "other", "tiny", seed=7)
+    first = procs.preload(tiny_model, NO_TUNE)
+    sock = default_socket(wcache_env)
+    engine = procs.serve(tiny_model, *ZERO_COPY)
+    answer = complete(engine.port, "keep me")
+    kill_daemon(first)
+    engine.wait_for_log("went away; this engine keeps serving", timeout=15)
+    [offer] = offers_next_to(sock)
+
+    second = procs.preload(other_model, NO_TUNE)
+    log = second.log()
+    assert OFFER_SKIPPED.format(rank=0, offer=offer, why="it holds other weights (cache key fields differ: [") in log
+    assert LOADED in log and "adopted" not in log
+    engine.wait_for_log(OTHER_COPY.format(path=sock, why="WeightCacheKey mismatch on fields: ['").split("['")[0],
+                        timeout=15)
+    wait_until(lambda: not offers_next_to(sock), 10, "the engine to withdraw its offer")
+    assert call(sock, "get_memory")["zero_copy_engines"] == 0
+    assert complete(engine.port, "keep me")["choices"] == answer["choices"]  # still its own weights
+
+
+def test_no_weight_cache_adopt_loads_from_disk(procs, tiny_model, wcache_env):
+    first = procs.preload(tiny_model, NO_TUNE)
+    sock = default_socket(wcache_env)
+    engine = procs.serve(tiny_model, *ZERO_COPY)
+    kill_daemon(first)
+    engine.wait_for_log("went away; this engine keeps serving", timeout=15)
+
+    second = procs.preload(tiny_model, NO_TUNE, "--no-weight-cache-adopt")
+    assert LOADED in second.log() and "adopt" not in second.log()
+    engine.wait_for_log(OTHER_COPY.format(path=sock, why=OWN_COPY), timeout=15)
+    assert engine.stop() == 0
+
+
+class FakeOffers:
+    """Hand-back sockets served by this test: each answers every request with its own reply."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.threads = []
+
+    def add(self, path: Path, answer: dict, fds: list[int]) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(4)
+        listener.settimeout(0.2)
+
+        def serve():
+            with listener:
+                while not self.stop.is_set():
+                    try:
+                        conn, _ = listener.accept()
+                    except TimeoutError:
+                        continue
+                    with conn:
+                        recv_frame(conn)
+                        send_frame(conn, answer, fds)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+
+@pytest.fixture
+def fake_offers():
+    f = FakeOffers()
+    yield f
+    f.stop.set()
+    for t in f.threads:
+        t.join(5)
+
+
+def test_hostile_offers_are_refused_with_their_reason_and_a_good_one_is_taken(procs, tiny_model, wcache_env,
+                                                                             fake_offers, tmp_path):
+    cfg = EngineConfig.build(str(tiny_model), "auto", None, "cpu")
+    sock = default_socket(wcache_env)
+    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    good = CpuArena(load_processed(cfg, False))
+    state = {"key": cache_key(cfg), "arena": good.descriptor(), "manifest": manifest(good.layout), "aliases": {},
+             "attrs": {}, "device_id": device_identity("cpu", 0)}
+
+    unsealed = os.memfd_create("fake", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, good.size)
+    outside = {"groups": [dict(good.layout.groups[0], offset=good.size)]}
+    cases = [  # (name, answer, fds, the reason the daemon logs)
+        ("nofd", reply(True, **state), [], "expected one arena descriptor, got 0"),
+        ("device", reply(True, **(state | {"device_id": "cuda-GPU-0-0"})), [good.fd],
+         "it maps device cuda-GPU-0-0, this rank serves cpu-"),
+        ("unsealed", reply(True, **state), [unsealed], "the handed-back memfd is not sealed against writes"),
+        ("outside", reply(True, **(state | {"manifest": outside})), [good.fd], "bad manifest: "),
+        ("refuses", reply(False, error="rejected", message="no"), [], "rejected: no"),
+        ("good", reply(True, **state), [good.fd], None),
+    ]
+    paths = {}
+    for i, (name, answer, fds, _) in enumerate(cases):
+        paths[name] = sock.with_name(f"{sock.name}{OFFER_SUFFIX}{i:02d}{name}")
+        fake_offers.add(paths[name], answer, fds)
+        os.utime(paths[name], (1_000_000 + i, 1_000_000 + i), follow_symlinks=False)  # tried in this order
+    stale = sock.with_name(f"{sock.name}{OFFER_SUFFIX}00stale")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(stale))  # bound, never listened: what a SIGKILLed engine leaves
+    os.utime(stale, (999_999, 999_999), follow_symlinks=False)
+
+    daemon = procs.preload(tiny_model, NO_TUNE)
+    log = daemon.log()
+    assert STALE_OFFER.format(offer=stale) in log and not stale.exists()
+    for name, _, _, why in cases:
+        if why:
+            assert OFFER_SKIPPED.format(rank=0, offer=paths[name], why=why) in log, name
+    assert "Rank 0 adopted the arena of a running engine" in log and LOADED not in log
+    [rank] = rank_pids(daemon.pid)
+    assert memfd_inode(rank) == os.fstat(good.fd).st_ino
+    seals = fcntl.fcntl(good.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_WRITE  # what made it acceptable
+    engine = procs.serve(tiny_model, *ZERO_COPY)
+    reference = procs.serve(tiny_model, NO_TUNE)  # from disk
+    assert complete(engine.port, "trust")["choices"] == complete(reference.port, "trust")["choices"]
+    os.close(unsealed)
+    good.close()
