@@ -46,7 +46,7 @@ def add_preload_args(p) -> None:
                         "cuda-python's driver bindings are installed); CPU always uses a memfd")
     g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
                    help="before loading, take the weights back from a running zero_copy engine whose daemon "
-                        "died (memfd and vmm_fd arenas; see docs/faults.md)")
+                        "died (memfd and vmm_fd arenas; see docs/how-it-works.md, Restarts)")
     from .ranks import add_daemon_port_args
 
     add_daemon_port_args(g)

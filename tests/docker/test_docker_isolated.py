@@ -3,7 +3,8 @@
 The daemon and the engine share two volumes (the socket directory and the cache root) and nothing
 else: each container has its own PID, IPC and mount namespaces and its own /dev/shm. The engine
 still maps the daemon's weights, maps them again after a restart, and maps them from a container
-with its own network namespace as well.
+with its own network namespace as well; a restarted daemon takes the weights back from the running
+engines (handback.py) instead of reading the checkpoint.
 
 CPU CI runs the memfd transport: `--weight-cache-transport vmm_fd` and the loader's
 `"transport": "vmm_fd"` are accepted and mean the memfd arena on a CPU, which crosses namespaces for
@@ -123,6 +124,17 @@ def test_docker_run_pair_maps_across_namespaces_and_again_after_a_restart(docker
         assert inspect(other)["HostConfig"]["NetworkMode"] == "none"
         assert namespaces(other)["net"] not in (namespaces(daemon)["net"], host_namespaces()["net"])
         assert not healthy(netns_port)  # not reachable from the host: a network namespace of its own
+
+        # A restarted daemon takes the weights back from the running engines, across namespaces:
+        # the memfd travels back over a socket on the volume, and nothing is read from disk.
+        r = run_script(f"docker restart -t 10 {daemon}", {}, what="isolated pair: docker restart daemon (adopts)")
+        assert r.returncode == 0, r.stderr
+        adopted = wait_log_count(daemon, "adopted the arena of a running engine", 1)
+        assert adopted.count("Rank 0 loaded 27 tensors") == 1, adopted  # the first start only
+        for e in (engine, other):
+            wait_log_count(e, "Leased the weights again from the restarted weight cache daemon", 1)
+        assert complete(port)["choices"][0]["token_ids"] == answer
+        assert "offers them to the next daemon" in logs(engine)
     finally:
         remove([other, engine, daemon], [f"{name}-sockets", f"{name}-cache"])
 

@@ -6,6 +6,7 @@ test, handing real descriptors (an unsealed memfd, a manifest that reaches outsi
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import signal
@@ -25,6 +26,7 @@ from wcache.errors import (
     HANDED_BACK,
     LEASE_LOST,
     LEASED_AGAIN,
+    NO_OFFER,
     OFFER_SKIPPED,
     OTHER_COPY,
     OWN_COPY,
@@ -224,3 +226,23 @@ def test_hostile_offers_are_refused_with_their_reason_and_a_good_one_is_taken(pr
     assert complete(engine.port, "trust")["choices"] == complete(reference.port, "trust")["choices"]
     os.close(unsealed)
     good.close()
+
+
+def test_an_engine_that_cannot_offer_says_why_and_keeps_serving(procs, tiny_model, wcache_env):
+    # A socket path a little under the 107-byte limit: the offer's longer name cannot be bound.
+    base = Path(wcache_env["TMPDIR"])
+    name_len = len("wcache_weight_cache_cpu-3dc72624-0.sock") + 1
+    sockets = base / ("d" * (100 - len(str(base)) - name_len))
+    sockets.mkdir(mode=0o700)
+    first = procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(sockets))
+    [sock] = [p for p in sockets.iterdir() if p.name.endswith(".sock")]
+    assert 90 < len(str(sock)) <= 107
+    engine = procs.serve(tiny_model, *ZERO_COPY, "--model-loader-extra-config", f'{{"socket_dir": "{sockets}"}}')
+    answer = complete(engine.port, "no room")
+    kill_daemon(first)
+    engine.wait_for_log("cannot offer them", timeout=15)
+    error = f"[Errno {errno.ENAMETOOLONG}] {sock}{OFFER_SUFFIX}"
+    assert NO_OFFER.format(path=sock, error=error) in engine.log()
+    assert "is longer than a Unix socket path may be" in engine.log()
+    assert complete(engine.port, "no room")["choices"] == answer["choices"]
+    assert not offers_next_to(sock)
