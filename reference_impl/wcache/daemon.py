@@ -48,7 +48,7 @@ from .protocol import (
     send_frame,
 )
 from .ranks import exit_after_collectives
-from .sockets import DaemonLock, prepare_socket_dir, socket_name
+from .sockets import DaemonLock, bind_private_socket, prepare_socket_dir, socket_name
 from .transport import CpuArena, CudaVmmArena, make_arena, manifest, resolve_transport
 
 log = logging.getLogger("wcache.daemon")
@@ -178,12 +178,7 @@ class RankDaemon:
             # We own the lock, so whatever is here belongs to a daemon that died: replace it.
             log.warning("Removing stale socket %s left by a previous daemon", path)
             os.unlink(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old)
+        sock = bind_private_socket(path)
         os.chmod(path, 0o600)
         self.inode = os.lstat(path).st_ino
         sock.listen(128)

@@ -47,7 +47,7 @@ from .errors import (
 )
 from .fingerprint import mismatched_fields
 from .protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
-from .sockets import check_socket_file
+from .sockets import bind_private_socket, check_socket_file
 
 log = logging.getLogger("wcache.handback")
 
@@ -106,12 +106,7 @@ class ArenaOffer:
         try:
             if len(os.fsencode(offer)) > MAX_SOCKET_PATH:
                 raise OSError(errno.ENAMETOOLONG, f"{offer} is longer than a Unix socket path may be")
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            old = os.umask(0o177)
-            try:
-                listener.bind(str(offer))
-            finally:
-                os.umask(old)
+            listener = bind_private_socket(offer)
             listener.listen(8)
             listener.settimeout(RELEASE_POLL_S)
         except OSError as e:

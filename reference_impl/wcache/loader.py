@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from .errors import (
     UnsupportedQuantForIPCError,
 )
 from .fingerprint import cache_key
-from .handback import HANDED_BACK_KINDS, ArenaOffer
+from .handback import ASK_TIMEOUT_S, HANDED_BACK_KINDS, ArenaOffer
 from .postprocess import ProcessedWeights
 from .protocol import ProtocolError, close_fds, recv_frame, request, send_frame
 from .sockets import check_socket_file, prepare_socket_dir, socket_name
@@ -250,8 +250,9 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
 
 
 def _lease_again(path: Path, lc: LoaderConfig, key: dict):
-    """(socket, answer, fds) of a zero_copy get_state on a restarted daemon; raises while none serves."""
-    client = CacheClient(path, lc)
+    """(socket, answer, fds) of a zero_copy get_state on a restarted daemon; raises while none serves.
+    Bounded by the hand-back's own timeout: while it waits, the engine answers no adopter."""
+    client = CacheClient(path, replace(lc, state_timeout_s=min(lc.state_timeout_s, ASK_TIMEOUT_S)))
     try:
         answer, fds = client.call("get_state", key=key, mode="zero_copy")
     except BaseException:

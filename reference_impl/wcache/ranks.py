@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass

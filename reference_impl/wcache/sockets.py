@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import stat
 import tempfile
 from pathlib import Path
@@ -45,6 +46,21 @@ def prepare_socket_dir(explicit: str | os.PathLike | None, create: bool = True) 
 
 def socket_name(device_id: str, draft: bool = False) -> str:
     return f"{SOCKET_PREFIX}{device_id}{'_draft' if draft else ''}.sock"
+
+
+def bind_private_socket(path: Path) -> socket.socket:
+    """A Unix socket bound at ``path`` with mode 0600 from its first moment (umask, then bind):
+    no other user can connect in the window between bind and a chmod."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    return sock
 
 
 def check_socket_file(path: Path) -> None:

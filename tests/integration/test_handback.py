@@ -66,18 +66,22 @@ def kill_daemon(pre) -> int:
     return rank
 
 
-def test_a_restarted_daemon_adopts_the_arena_of_a_running_engine(procs, tiny_model, wcache_env):
-    first = procs.preload(tiny_model, NO_TUNE)
-    sock = default_socket(wcache_env)
-    [rank] = rank_pids(first.pid)
-    inode = memfd_inode(rank)
-    engine = procs.serve(tiny_model, *ZERO_COPY)
-    answer = complete(engine.port, "restart me")
-
+def orphaned_engine(procs, model, env, prompt: str):
+    """A zero_copy engine whose daemon was killed: (engine, socket, its answer, its offer, the arena's inode)."""
+    first = procs.preload(model, NO_TUNE)
+    sock = default_socket(env)
+    inode = memfd_inode(rank_pids(first.pid)[0])
+    engine = procs.serve(model, *ZERO_COPY)
+    answer = complete(engine.port, prompt)
     kill_daemon(first)
     engine.wait_for_log("went away; this engine keeps serving", timeout=15)
     [offer] = offers_next_to(sock)
     assert LEASE_LOST.format(path=sock, offer=offer) in engine.log()
+    return engine, sock, answer, offer, inode
+
+
+def test_a_restarted_daemon_adopts_the_arena_of_a_running_engine(procs, tiny_model, wcache_env):
+    engine, sock, answer, offer, inode = orphaned_engine(procs, tiny_model, wcache_env, "restart me")
     assert complete(engine.port, "restart me")["choices"] == answer["choices"]  # serves while the daemon is gone
 
     second = procs.preload(tiny_model, NO_TUNE)
@@ -109,13 +113,7 @@ def test_a_restarted_daemon_adopts_the_arena_of_a_running_engine(procs, tiny_mod
 
 def test_other_weights_are_not_adopted_and_the_engine_keeps_its_own(procs, tiny_model, wcache_env, tmp_path):
     other_model = make_checkpoint(tmp_path / "other", "tiny", seed=7)
-    first = procs.preload(tiny_model, NO_TUNE)
-    sock = default_socket(wcache_env)
-    engine = procs.serve(tiny_model, *ZERO_COPY)
-    answer = complete(engine.port, "keep me")
-    kill_daemon(first)
-    engine.wait_for_log("went away; this engine keeps serving", timeout=15)
-    [offer] = offers_next_to(sock)
+    engine, sock, answer, offer, _ = orphaned_engine(procs, tiny_model, wcache_env, "keep me")
 
     second = procs.preload(other_model, NO_TUNE)
     log = second.log()
@@ -128,12 +126,14 @@ def test_other_weights_are_not_adopted_and_the_engine_keeps_its_own(procs, tiny_
     assert complete(engine.port, "keep me")["choices"] == answer["choices"]  # still its own weights
 
 
+def test_an_engine_that_stops_while_offering_removes_its_offer(procs, tiny_model, wcache_env):
+    engine, sock, _, offer, _ = orphaned_engine(procs, tiny_model, wcache_env, "bye")
+    assert offer.exists() and engine.stop() == 0
+    assert not offers_next_to(sock)
+
+
 def test_no_weight_cache_adopt_loads_from_disk(procs, tiny_model, wcache_env):
-    first = procs.preload(tiny_model, NO_TUNE)
-    sock = default_socket(wcache_env)
-    engine = procs.serve(tiny_model, *ZERO_COPY)
-    kill_daemon(first)
-    engine.wait_for_log("went away; this engine keeps serving", timeout=15)
+    engine, sock, _, _, _ = orphaned_engine(procs, tiny_model, wcache_env, "opt out")
 
     second = procs.preload(tiny_model, NO_TUNE, "--no-weight-cache-adopt")
     assert LOADED in second.log() and "adopt" not in second.log()

@@ -138,6 +138,26 @@ def test_tp2_shards_serve_health_and_sigterm(procs, model32, expected, wcache_en
     assert gone(daemons[0]) and not sockets[0].exists()
 
 
+def test_tp2_daemon_restart_each_rank_adopts_its_own_shard(procs, model32, expected):
+    pre = procs.preload(model32, "-tp", "2", NO_TUNE)
+    engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE,
+                         "--load-format", "ipc_cache", "--model-loader-extra-config", loader_json())
+    assert tokens(engine.port) == expected
+    assert pre.stop(signal.SIGTERM) == 0  # an upgrade: both ranks stop, both engine ranks keep serving
+    wait_until(lambda: engine.log().count("offers them to the next daemon") == 2, what="both engine ranks to offer")
+    assert tokens(engine.port) == expected
+
+    again = procs.preload(model32, "-tp", "2", NO_TUNE)
+    log = again.log()
+    assert all(f"Rank {r} adopted the arena of a running engine" in log for r in (0, 1)), log
+    assert "loaded 27 tensors" not in log  # neither rank read the checkpoint
+    wait_until(lambda: engine.log().count("Leased the weights again") == 2, what="both engine ranks to lease again")
+    assert tokens(engine.port) == expected
+    # Each daemon rank serves its own shard again (the cache key holds the rank, so shards cannot swap).
+    for i in range(2):
+        assert_daemon_holds_its_shard(model32, Ranks(tp_size=2, tp_rank=i, local_rank=i))
+
+
 def test_pp2_stages_hold_their_layers(procs, model32, expected):
     procs.preload(model32, "-pp", "2", NO_TUNE)
     first = assert_daemon_holds_its_shard(model32, Ranks(pp_size=2, pp_rank=0, local_rank=0))
