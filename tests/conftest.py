@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/procs.py
 
-from procs import Processes  # noqa: E402
+from procs import Processes, private_env  # noqa: E402
 
 from wcache.checkpoint import make_checkpoint  # noqa: E402
 
@@ -28,17 +25,11 @@ def tiny_tied_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def wcache_env(tmp_path, monkeypatch) -> dict:
+def wcache_env(tmp_path) -> dict:
     """A private TMPDIR (so the default socket dir is the test's own) and cache root, for this
     process and every process the test starts."""
-    # Short: a Unix socket path must fit in 107 bytes, and pytest's tmp_path is long.
-    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
-    env = {**os.environ, "TMPDIR": str(tmp), "WCACHE_CACHE_ROOT": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    monkeypatch.setenv("TMPDIR", env["TMPDIR"])
-    monkeypatch.setenv("WCACHE_CACHE_ROOT", env["WCACHE_CACHE_ROOT"])
-    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process
-    yield env
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_env(tmp_path / "cache") as env:
+        yield env
 
 
 @pytest.fixture

@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 READY = "Weight cache daemon READY"
+
+
+@contextlib.contextmanager
+def private_env(cache_root: Path, prefix: str = "wc-", **extra: str):
+    """A private TMPDIR (so the default socket dir is the caller's own) and cache root, set for this
+    process and returned for the processes it starts; the TMPDIR is removed afterwards.
+
+    The TMPDIR is short, under /tmp: a Unix socket path must fit in 107 bytes, and pytest's tmp
+    paths are long. ``extra`` adds more variables (set here as well).
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    env = {**os.environ, "TMPDIR": str(tmp), "WCACHE_CACHE_ROOT": str(cache_root), "PYTHONUNBUFFERED": "1", **extra}
+    mp = pytest.MonkeyPatch()
+    for k in ("TMPDIR", "WCACHE_CACHE_ROOT", *extra):
+        mp.setenv(k, env[k])
+    mp.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process
+    try:
+        yield env
+    finally:
+        mp.undo()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def child_pids(pid: int) -> list[int]:

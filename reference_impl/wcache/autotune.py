@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from . import __version__
 from .config import EngineConfig
+from .fingerprint import mismatched_fields
 
 log = logging.getLogger("wcache.autotune")
 
@@ -185,10 +186,6 @@ def cache_dir() -> Path:
 
 def cache_path(cfg: EngineConfig, key: dict | None = None) -> Path:
     return cache_dir() / f"{key_hash(key or tune_key(cfg))}.json"
-
-
-def mismatched_fields(ours: dict, theirs: dict) -> list[str]:
-    return sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
 
 
 def validate(doc, key: dict) -> dict:

@@ -63,6 +63,12 @@ class EngineConfig:
         return cls(model=str(model), hf=hf, dtype=checkpoint.DTYPES[name], quant=quant.resolve(quantization, hf),
                    device=resolve_device(device), ranks=ranks, revision=revision or "main")
 
+    @classmethod
+    def from_spec(cls, spec: dict) -> "EngineConfig":
+        """The configuration a launcher hands a rank process (daemon or engine worker) as JSON."""
+        return cls.build(spec["model"], spec["dtype"], spec["quantization"], spec["device"],
+                         ranks=Ranks(**spec["ranks"]), revision=spec.get("revision"))
+
     def for_rank(self, ranks: Ranks) -> "EngineConfig":
         return replace(self, ranks=ranks)
 

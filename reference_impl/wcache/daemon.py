@@ -12,13 +12,13 @@ frame gets an error reply and a closed connection while the daemon keeps serving
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import autotune, logs, seed
-from .config import EngineConfig, Ranks
+from .config import EngineConfig
 from .device import device_identity
 from .disk import load_processed
 from .errors import (
@@ -48,15 +48,21 @@ from .protocol import (
     send_frame,
 )
 from .ranks import exit_after_collectives
-from .sockets import DaemonLock, bind_private_socket, prepare_socket_dir, socket_name
-from .transport import CpuArena, CudaVmmArena, make_arena, manifest, resolve_transport
+from .sockets import (
+    MAX_SOCKET_PATH,
+    DaemonLock,
+    bind_private_socket,
+    peer_cred,
+    prepare_socket_dir,
+    socket_name,
+)
+from .transport import make_arena, manifest, resolve_transport
 
 log = logging.getLogger("wcache.daemon")
 
 MAX_CLIENTS = 256
 REQUEST_TIMEOUT_S = 30.0
 MODES = ("zero_copy", "copy")
-MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 SOCKET_PATH_TOO_LONG = ("Socket path {path} is {n} bytes; Unix sockets allow at most {max}. "
                         "Use a shorter --weight-cache-socket-dir")
 MAX_REPORTED_FIELDS = 64  # a mismatch reply names at most this many fields, 128 characters of each
@@ -70,9 +76,8 @@ CLIENT_FAILED_LOG = "Connection from pid %d failed; closed it"
 class RankDaemon:
     def __init__(self, spec: dict):
         self.spec = spec
-        ranks = Ranks(**spec["ranks"])
-        self.cfg = EngineConfig.build(spec["model"], spec["dtype"], spec["quantization"], spec["device"],
-                                      ranks=ranks, revision=spec.get("revision"))
+        self.cfg = EngineConfig.from_spec(spec)
+        ranks = self.cfg.ranks
         self.rank = ranks.global_rank
         self.device_id = device_identity(self.cfg.device, ranks.local_rank)
         self.stop = threading.Event()
@@ -124,14 +129,7 @@ class RankDaemon:
         kind = resolve_transport(self.spec.get("transport", "auto"), self.cfg.torch_device)
         if kind not in HANDED_BACK_KINDS:
             return None
-        device = self.cfg.torch_device
-
-        def adopt(desc, layout, fd):
-            if kind == CpuArena.kind:
-                return CpuArena.adopt(desc, layout, fd)
-            return CudaVmmArena.adopt(desc, layout, fd, device)
-
-        return take_back(self.socket_path(), self.key, self.device_id, kind, adopt, self.rank)
+        return take_back(self.socket_path, self.key, self.device_id, kind, self.cfg.torch_device, self.rank)
 
     def autotune_pass(self) -> None:
         """Pull the tuned cache from a seed daemon if one is given, then load or tune it (before the
@@ -159,7 +157,9 @@ class RankDaemon:
             self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
                                                lambda: self.autotune_doc, self.rank).start()
 
+    @functools.cached_property
     def socket_path(self) -> Path:
+        """Where this rank serves (its directory made and checked on first use)."""
         if self.spec.get("socket_path"):
             path = Path(self.spec["socket_path"])
             prepare_socket_dir(path.parent, create=True)
@@ -168,7 +168,7 @@ class RankDaemon:
         return d / socket_name(self.device_id, self.spec.get("draft", False))
 
     def bind(self) -> socket.socket:
-        path = self.socket_path()
+        path = self.socket_path
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise UserError(SOCKET_PATH_TOO_LONG.format(path=path, n=len(os.fsencode(path)), max=MAX_SOCKET_PATH))
         self.path = path
@@ -218,7 +218,7 @@ class RankDaemon:
         cid = id(conn)
         pid = -1
         try:
-            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            pid, uid, _gid = peer_cred(conn)
             if uid != os.getuid():
                 msg = REASONS["rejected"].format(uid=uid)
                 log.warning("%s (pid %d)", msg, pid)
@@ -318,7 +318,7 @@ class RankDaemon:
 
 def _peer_pid(conn: socket.socket) -> int:
     try:
-        return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        return peer_cred(conn)[0]
     except OSError:
         return -1
 

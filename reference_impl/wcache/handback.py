@@ -28,7 +28,6 @@ import secrets
 import select
 import socket
 import stat
-import struct
 import threading
 import time
 from pathlib import Path
@@ -47,15 +46,15 @@ from .errors import (
 )
 from .fingerprint import mismatched_fields
 from .protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
-from .sockets import bind_private_socket, check_socket_file
+from .sockets import MAX_SOCKET_PATH, bind_private_socket, check_socket_file, peer_cred
+from .transport import CpuArena, CudaVmmArena, Layout, adopt_arena
 
 log = logging.getLogger("wcache.handback")
 
 OFFER_SUFFIX = ".handback-"
-HANDED_BACK_KINDS = ("memfd", "cuda_vmm_fd")  # arenas a descriptor can carry; not cuda_ipc
+HANDED_BACK_KINDS = (CpuArena.kind, CudaVmmArena.kind)  # arenas a descriptor can carry; not cuda_ipc
 ASK_TIMEOUT_S = 5.0  # an engine answers at once; a hung one must not stall a daemon's start for long
 RELEASE_POLL_S = 0.25
-MAX_SOCKET_PATH = 107
 
 
 
@@ -73,6 +72,7 @@ class ArenaOffer:
         self._connect, self._relink = connect, relink
         self._lease = lease
         self._stop = threading.Event()
+        self._fd_lock = threading.Lock()
         self.offer_path: Path | None = None
         self._listener: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="wcache-handback", daemon=True)
@@ -100,6 +100,9 @@ class ArenaOffer:
         except Exception:  # noqa: BLE001 - the engine keeps serving whatever happens here
             log.exception("Offering the weight arena back failed")
             self._withdraw()  # no socket left that nobody answers
+        finally:
+            if self._stop.is_set():  # close() gave up waiting for us: the descriptor is ours to close
+                self._close_fd()
 
     def _offer(self) -> bool:
         offer = self.path.with_name(self.path.name + OFFER_SUFFIX + secrets.token_hex(4))
@@ -134,7 +137,7 @@ class ArenaOffer:
 
     def _answer(self, conn: socket.socket) -> None:
         try:
-            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            pid, uid, _ = peer_cred(conn)
             conn.settimeout(ASK_TIMEOUT_S)
             req, fds = recv_frame(conn)
             close_fds(fds)
@@ -159,6 +162,9 @@ class ArenaOffer:
                 return False
             return None  # no daemon yet, or one still starting: try again
         close_fds(fds)
+        if self._stop.is_set():  # the engine is stopping: hold no new lease
+            sock.close()
+            return False
         if (answer.get("arena") or {}).get("id") == self.arena_id:
             self._lease = sock
             self._relink(sock)
@@ -179,14 +185,18 @@ class ArenaOffer:
                 pass
             self.offer_path = None
 
+    def _close_fd(self) -> None:
+        with self._fd_lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+        self._thread.join(5)
         self._withdraw()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if not self._thread.is_alive():  # else the thread closes it when it ends (it may be sending it)
+            self._close_fd()
 
 
 # -- daemon side ------------------------------------------------------------------------------
@@ -207,10 +217,10 @@ def offers(socket_path: Path) -> list[Path]:
     return sorted(found, key=age)
 
 
-def take_back(socket_path: Path, key: dict, device_id: str, kind: str, adopt, rank: int):
+def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int):
     """(arena, aliases, attrs) from the first engine that offers a matching arena, else None.
 
-    ``adopt(desc, manifest, fd)`` builds the arena object and raises ProtocolError (or OSError,
+    transport.adopt_arena builds the arena object and raises ProtocolError (or OSError, or
     RuntimeError from the driver) when the memory is not acceptable.
     """
     for offer in offers(socket_path):
@@ -225,12 +235,13 @@ def take_back(socket_path: Path, key: dict, device_id: str, kind: str, adopt, ra
             continue
         pid, answer, fds = got
         try:
-            arena, aliases, attrs = _accept(answer, fds, key, device_id, kind, adopt)
+            arena, aliases, attrs = _accept(answer, fds, key, device_id, kind, device)
         except (ProtocolError, OSError, RuntimeError, ValueError) as e:
             close_fds(fds)
             log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
             continue
-        log.info(ADOPTED.format(rank=rank, pid=pid, n=len(arena.layout.entries), mib=arena.weights_bytes / 2**20,
+        n = sum(len(g["names"]) for g in arena.layout.groups)
+        log.info(ADOPTED.format(rank=rank, pid=pid, n=n, mib=arena.weights_bytes / 2**20,
                                 seconds=time.perf_counter() - t0))
         return arena, aliases, attrs
     return None
@@ -251,7 +262,7 @@ def _ask(offer: Path, rank: int):
             except OSError:
                 pass
             return None
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _ = peer_cred(sock)
         if uid != os.getuid():
             raise OSError(f"the process listening there runs as uid {uid}, not {os.getuid()}")
         send_frame(sock, request("hand_back"))
@@ -267,9 +278,7 @@ def _ask(offer: Path, rank: int):
         sock.close()
 
 
-def _accept(answer: dict, fds: list[int], key: dict, device_id: str, kind: str, adopt):
-    from .transport import Layout
-
+def _accept(answer: dict, fds: list[int], key: dict, device_id: str, kind: str, device):
     if len(fds) != 1:
         raise ProtocolError(f"expected one arena descriptor, got {len(fds)}")
     theirs = answer.get("key")
@@ -286,7 +295,7 @@ def _accept(answer: dict, fds: list[int], key: dict, device_id: str, kind: str, 
     if not isinstance(desc.get("id"), str) or not isinstance(attrs, dict) or not isinstance(aliases, dict):
         raise ProtocolError("the offer lacks an arena id, aliases or attributes")
     layout = Layout.from_manifest(answer.get("manifest") or {}, desc.get("size"))
-    names = {e["name"] for e in layout.entries}
+    names = {n for g in layout.groups for n in g["names"]}
     if not all(isinstance(a, str) and t in names for a, t in aliases.items()):
         raise ProtocolError("an alias names a tensor the arena does not hold")
-    return adopt(desc, layout, fds[0]), aliases, attrs
+    return adopt_arena(kind, desc, layout, fds[0], device), aliases, attrs

@@ -209,6 +209,7 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
             raise CacheUnusable("protocol", detail=str(e)) from None
         except (OSError, RuntimeError) as e:  # mmap or cudaIpcOpenMemHandle refused (namespaces, permissions)
             raise CacheUnusable("map", error=e) from None
+        client.mapping = mapped  # from here on, any failure lets go of it with client.close()
         phases["map"], t = time.perf_counter() - t, time.perf_counter()
         try:
             arena = mapped.tensor
@@ -223,7 +224,6 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
             tensors = bind_views(arena, answer.get("manifest") or {}, {})
             phases["bind"], t = time.perf_counter() - t, time.perf_counter()
         except ProtocolError as e:
-            mapped.close()
             raise CacheUnusable("protocol", detail=str(e)) from None
         aliases = answer.get("aliases") or {}
         if any(t not in tensors for t in aliases.values()):
@@ -237,7 +237,6 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
             client.close()
             phases["release"] = time.perf_counter() - t
             return weights, None
-        client.mapping = mapped
         if kept is not None:
             client.offer = ArenaOffer(client.sock, answer, kept, key, path, lambda: _lease_again(path, lc, key),
                                       client.relink)
@@ -252,7 +251,8 @@ def _attempt(cfg: EngineConfig, lc: LoaderConfig, key: dict, path: Path, phases:
 def _lease_again(path: Path, lc: LoaderConfig, key: dict):
     """(socket, answer, fds) of a zero_copy get_state on a restarted daemon; raises while none serves.
     Bounded by the hand-back's own timeout: while it waits, the engine answers no adopter."""
-    client = CacheClient(path, replace(lc, state_timeout_s=min(lc.state_timeout_s, ASK_TIMEOUT_S)))
+    client = CacheClient(path, replace(lc, connect_timeout_s=min(lc.connect_timeout_s, ASK_TIMEOUT_S),
+                                       state_timeout_s=min(lc.state_timeout_s, ASK_TIMEOUT_S)))
     try:
         answer, fds = client.call("get_state", key=key, mode="zero_copy")
     except BaseException:

@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
+from .protocol import close_fds
 
 log = logging.getLogger("wcache.memory")
 
@@ -129,8 +130,7 @@ def external_weights(report) -> int:
     lease = report.keepalive[0] if report.keepalive else None
     try:
         answer, fds = lease.call("get_memory")
-        for fd in fds:
-            os.close(fd)
+        close_fds(fds)
         held = answer["weights_bytes"]
         if isinstance(held, bool) or not isinstance(held, int) or held < 0:
             raise ValueError(f"weights_bytes {held!r}")

@@ -32,7 +32,16 @@ from pathlib import Path
 from . import autotune
 from .config import EngineConfig
 from .errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
-from .protocol import ProtocolError, drain, recv_frame, reply, request, send_frame
+from .fingerprint import mismatched_fields
+from .protocol import (
+    ProtocolError,
+    close_fds,
+    drain,
+    recv_frame,
+    reply,
+    request,
+    send_frame,
+)
 
 log = logging.getLogger("wcache.seed")
 
@@ -164,8 +173,7 @@ class SeedServer:
                 send_frame(conn, reply(False, error="protocol", message=str(e)[:200]))
                 drain(conn)
                 return
-            for fd in fds:  # TCP carries none, but never keep one
-                os.close(fd)
+            close_fds(fds)  # TCP carries none, but never keep one
             # The token first: nothing else of the request is looked at without it.
             if not hmac.compare_digest(_digest(req.get("token")), self.token_digest):
                 self._record_bad(peer)
@@ -189,7 +197,7 @@ class SeedServer:
             if doc is None:
                 send_frame(conn, reply(False, error="no_cache", message="this daemon has no autotune cache"))
                 return
-            fields = autotune.mismatched_fields(doc["key"], key)
+            fields = mismatched_fields(doc["key"], key)
             if fields:
                 send_frame(conn, reply(False, error="mismatch", fields=fields[:64]))
                 return

@@ -147,7 +147,7 @@ class _Handler(BaseHTTPRequestHandler):
         })
 
 
-def run_until_signal(server: ThreadingHTTPServer, on_stop=None) -> None:
+def run_until_signal(server: "EngineServer", on_stop=None) -> None:
     """Serve until SIGINT or SIGTERM, then close the listening socket and run ``on_stop``."""
     stop = threading.Event()
 
@@ -156,10 +156,7 @@ def run_until_signal(server: ThreadingHTTPServer, on_stop=None) -> None:
         stop.set()
 
     old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    thread = getattr(server, "serving", None)  # an EngineServer serves from its creation
-    if thread is None:
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-        thread.start()
+    thread = server.serving  # an EngineServer serves from its creation
     try:
         while not stop.wait(0.2):
             if not thread.is_alive():

@@ -13,12 +13,14 @@ import fcntl
 import os
 import socket
 import stat
+import struct
 import tempfile
 from pathlib import Path
 
 from .errors import DaemonLockError, SocketSecurityError
 
 SOCKET_PREFIX = "wcache_weight_cache_"
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 
 
 def default_socket_dir() -> Path:
@@ -61,6 +63,11 @@ def bind_private_socket(path: Path) -> socket.socket:
     finally:
         os.umask(old)
     return sock
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
 
 
 def check_socket_file(path: Path) -> None:

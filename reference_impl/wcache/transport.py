@@ -137,7 +137,7 @@ class CpuArena:
         return self.layout.size
 
     @classmethod
-    def adopt(cls, desc: dict, layout: "Layout", fd: int) -> "CpuArena":
+    def adopt(cls, desc: dict, layout: "Layout", fd: int, device: torch.device | None = None) -> "CpuArena":
         """Serve a memfd an engine handed back (handback.py) instead of packing a new one.
 
         Only a memfd sealed against writes, growth and shrinking is taken: then its bytes are the
@@ -156,7 +156,7 @@ class CpuArena:
         self.weights_bytes = layout.weights_bytes
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            bind_views(torch.frombuffer(self.map, dtype=torch.uint8), {"groups": layout.groups}, {})
+            bind_views(torch.frombuffer(self.map, dtype=torch.uint8), manifest(layout), {})
         return self
 
     def descriptor(self) -> dict:
@@ -294,7 +294,7 @@ class CudaVmmArena:
 
         alloc = cuda_vmm.import_fd(os.dup(fd), layout.size, device)
         try:
-            bind_views(alloc.tensor(device), {"groups": layout.groups}, {})
+            bind_views(alloc.tensor(device), manifest(layout), {})
         except ProtocolError:
             alloc.close()
             raise
@@ -340,6 +340,11 @@ def make_arena(weights: ProcessedWeights, device: torch.device, transport: str =
     kind = resolve_transport(transport, device)
     return {CpuArena.kind: lambda: CpuArena(weights), CudaArena.kind: lambda: CudaArena(weights, device),
             CudaVmmArena.kind: lambda: CudaVmmArena(weights, device)}[kind]()
+
+
+def adopt_arena(kind: str, desc: dict, layout: Layout, fd: int, device: torch.device):
+    """Serve an arena a running engine handed back (handback.py) instead of packing a new one."""
+    return {CpuArena.kind: CpuArena, CudaVmmArena.kind: CudaVmmArena}[kind].adopt(desc, layout, fd, device)
 
 
 class MappedArena:

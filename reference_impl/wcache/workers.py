@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import autotune, logs, tokenizer
-from .config import EngineConfig, Ranks
+from .config import EngineConfig
 from .engine import load_weights
 from .errors import UserError
 from .loader import parse_loader_config
@@ -75,9 +75,8 @@ class RankRunner:
 
     def __init__(self, spec: dict):
         self.spec = spec
-        self.ranks = Ranks(**spec["ranks"])
-        self.cfg = EngineConfig.build(spec["model"], spec["dtype"], spec["quantization"], spec["device"],
-                                      ranks=self.ranks, revision=spec.get("revision"))
+        self.cfg = EngineConfig.from_spec(spec)
+        self.ranks = self.cfg.ranks
         self.tp, self.pp = self.ranks.tp_size, self.ranks.pp_size
         self.world = self.tp * self.pp
         self.rank = self.ranks.pp_rank * self.tp + self.ranks.tp_rank

@@ -4,23 +4,12 @@ name that every test directory's conftest shares."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
-from procs import Processes
+from procs import Processes, private_env
 from wcache.checkpoint import make_checkpoint
 
-
-
-def private_env(tmp_path_factory) -> tuple[dict, Path]:
-    """A short private TMPDIR (default socket dir) and cache root, for this process and children."""
-    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: sun_path holds 107 bytes
-    env = {**os.environ, "TMPDIR": str(tmp), "WCACHE_CACHE_ROOT": str(tmp_path_factory.mktemp("cache")),
-           "PYTHONUNBUFFERED": "1"}
-    return env, tmp
 
 
 @pytest.fixture(scope="session")
@@ -41,14 +30,8 @@ def shared_autotune_cache(autotune_dir):
 @pytest.fixture(scope="module")
 def module_env(tmp_path_factory):
     """Like `wcache_env`, for a whole module (so one daemon can serve several tests)."""
-    env, tmp = private_env(tmp_path_factory)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TMPDIR", env["TMPDIR"])
-    mp.setenv("WCACHE_CACHE_ROOT", env["WCACHE_CACHE_ROOT"])
-    mp.setattr(tempfile, "tempdir", None)
-    yield env
-    mp.undo()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_env(tmp_path_factory.mktemp("cache")) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
