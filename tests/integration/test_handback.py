@@ -128,6 +128,14 @@ def test_other_weights_are_not_adopted_and_the_engine_keeps_its_own(procs, tiny_
 
 def test_an_engine_that_stops_while_offering_removes_its_offer(procs, tiny_model, wcache_env):
     engine, sock, _, offer, _ = orphaned_engine(procs, tiny_model, wcache_env, "bye")
+    # Anything but a hand_back request is refused, a malformed frame too, and the offer stays.
+    assert call(offer, "get_state") == {"v": 1, "ok": False, "error": "protocol", "message": "expected hand_back"}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(offer))
+        s.sendall(b"\x00\x00\x00\x00\x00\x00\x00\x05hello")
+        assert s.recv(100) == b""  # closed without an answer
+    engine.wait_for_log("A hand-back request failed: frame is not valid JSON", timeout=10)
+    assert call(offer, "hand_back")["ok"] is True  # still offered (the descriptor that came is closed)
     assert offer.exists() and engine.stop() == 0
     assert not offers_next_to(sock)
 
