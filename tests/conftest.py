@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/procs.py
 
 from procs import Processes, private_env  # noqa: E402
 
-from wcache.checkpoint import make_checkpoint  # noqa: E402
+from wcache.core.checkpoint import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -177,7 +177,7 @@ def complete(port: int, prompt: str = "Hello", max_tokens: int = 8) -> dict:
 
 def call(path, op: str, timeout: float = 10.0, **fields) -> dict:
     """One request to a daemon socket on a fresh connection; descriptors that come back are closed."""
-    from wcache.protocol import close_fds, recv_frame, request, send_frame
+    from wcache.wire.protocol import close_fds, recv_frame, request, send_frame
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)

@@ -33,7 +33,7 @@ Dispatch by language
     spec (``containers`` without ``kind``) is wrapped in a Pod first. Other YAML is parsed only.
 ``json``
     Parsed. With the ``loader-config`` marker it is also validated by
-    ``wcache.loader.parse_loader_config`` (parsed only while that function does not exist).
+    ``wcache.engine.loader.parse_loader_config`` (parsed only while that function does not exist).
 ``console`` / ``text`` / ``log`` with ``expect-output``
     Every non-empty line must appear in the output of the page's previous bash block (its
     stdout/stderr and the logs of the background processes it started), in order within each of
@@ -152,7 +152,7 @@ MARKERS: dict[str, MarkerSpec] = {
     ),
     "loader-config": MarkerSpec(
         "A --model-loader-extra-config JSON object: validated by"
-        " wcache.loader.parse_loader_config (unknown keys and bad values are rejected).",
+        " wcache.engine.loader.parse_loader_config (unknown keys and bad values are rejected).",
         langs=frozenset({"json"}),
     ),
 }
@@ -1015,9 +1015,9 @@ def validate_json(text: str, loader_config: bool) -> tuple[list[str], str]:
     if not loader_config:
         return [], "json (parsed)"
     try:
-        from wcache.loader import LoaderConfigError, parse_loader_config
+        from wcache.engine.loader import LoaderConfigError, parse_loader_config
     except ImportError:
-        return [], "json (parsed; wcache.loader.parse_loader_config not available yet)"
+        return [], "json (parsed; wcache.engine.loader.parse_loader_config not available yet)"
     try:
         parse_loader_config(obj)
     except LoaderConfigError as e:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .config import EngineConfig
-from .engine import load_weights
-from .fingerprint import RACY_WINDOW_NS, checkpoint_digest
-from .loader import LoaderConfig
+from wcache import __version__
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
+from wcache.core.fingerprint import RACY_WINDOW_NS, checkpoint_digest
+from wcache.engine.loader import LoaderConfig
 
 log = logging.getLogger("wcache.bench")
 
@@ -78,7 +78,7 @@ def _warm_device(cfg) -> None:
     """A restarted engine creates its CUDA context whatever the weights' source: keep that out of
     every sample alike."""
     if cfg.device == "cuda":
-        from .cuda_ipc import cudart
+        from wcache.wire.cuda_ipc import cudart
 
         torch.empty(1, device=cfg.torch_device)
         cudart()
@@ -97,7 +97,8 @@ def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = No
 
 
 def _sample_main(spec: dict) -> None:
-    from . import disk, loader  # noqa: F401  (imports are process start-up, outside every sample)
+    from wcache.core import disk
+    from wcache.engine import loader  # noqa: F401  (imports are process start-up, outside every sample)
 
     cfg = EngineConfig.build(spec["model"], spec["dtype"], None, spec["device"])
     _warm_device(cfg)

@@ -11,10 +11,11 @@ import logging
 import sys
 import time
 
-from . import __version__, logs
-from .checkpoint import DTYPES, PRESETS
-from .config import DTYPE_CHOICES
-from .quant import METHODS
+from wcache import __version__
+from wcache import logs
+from wcache.core.checkpoint import DTYPES, PRESETS
+from wcache.core.config import DTYPE_CHOICES
+from wcache.model.quant import METHODS
 
 log = logging.getLogger("wcache.cli")
 
@@ -29,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="model revision recorded in the cache key")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "ipc_cache"],
                    help="where weights come from; ipc_cache maps them from the weight cache daemon")
-    from .ranks import add_parallel_args
+    from wcache.core.ranks import add_parallel_args
 
     add_parallel_args(p)  # tensor/pipeline/data parallel, nodes, speculative draft
     p.add_argument("--enable-autotune", action=argparse.BooleanOptionalAction, default=True,
@@ -47,7 +48,7 @@ def _fraction(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    from .memory import parse_bytes
+    from wcache.engine.memory import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the engine with an HTTP API")
     serve.add_argument("model", help="model directory (config.json + *.safetensors)")
     add_engine_args(serve)
-    from .ranks import add_serve_rank_args
+    from wcache.core.ranks import add_serve_rank_args
 
     add_serve_rank_args(serve)
     serve.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
@@ -87,14 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                             "e.g. 8GiB (default: the host's physical memory)")
 
-    from .launcher import add_preload_args
+    from wcache.daemon.launcher import add_preload_args
 
     preload = sub.add_parser("preload", help="run the weight cache daemon(s) for a model")
     preload.add_argument("--model", required=True, help="model directory")
     add_engine_args(preload)
     add_preload_args(preload)
 
-    from .bench import add_bench_args
+    from wcache.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="time weights-ready for disk, zero_copy and copy in one run")
     add_bench_args(bench)
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_make_checkpoint(args) -> int:
     t0 = time.perf_counter()
-    from .checkpoint import make_checkpoint
+    from wcache.core.checkpoint import make_checkpoint
 
     out = make_checkpoint(args.dir, args.preset, args.tie_embeddings, args.seed, args.dtype)
     files = sorted(p.name for p in out.iterdir())
@@ -112,16 +113,16 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .config import EngineConfig
-    from .engine import Engine
-    from .loader import parse_loader_config
-    from .server import EngineServer, run_until_signal
+    from wcache.core.config import EngineConfig
+    from wcache.engine.engine import Engine
+    from wcache.engine.loader import parse_loader_config
+    from wcache.engine.server import EngineServer, run_until_signal
 
     loader_config = parse_loader_config(args.model_loader_extra_config)
-    from .ranks import needs_workers
+    from wcache.core.ranks import needs_workers
 
     if needs_workers(args):  # several ranks, a data-parallel rank or a speculative draft: workers.py
-        from .workers import run_serve
+        from wcache.engine.workers import run_serve
 
         return run_serve(args, loader_config)
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
@@ -141,7 +142,7 @@ def cmd_serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level)
-    from .errors import UserError
+    from wcache.errors import UserError
 
     try:
         if args.command == "make-checkpoint":
@@ -149,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "preload":
-            from .launcher import run_preload
+            from wcache.daemon.launcher import run_preload
 
             return run_preload(args)
         if args.command == "bench":
-            from .bench import run_bench
+            from wcache.bench import run_bench
 
             return run_bench(args)
     except UserError as e:

@@ -89,7 +89,7 @@ def _stop_dockerd(pid: int) -> None:
 @pytest.fixture(scope="session")
 def docker_model(tmp_path_factory) -> Path:
     """The tiny checkpoint, readable by any user (a container may run as another uid)."""
-    from wcache.checkpoint import make_checkpoint
+    from wcache.core.checkpoint import make_checkpoint
 
     d = make_checkpoint(tmp_path_factory.mktemp("docker-model") / "tiny", "tiny")
     for p in [d, *d.iterdir()]:

@@ -143,7 +143,7 @@ def test_an_engine_of_another_user_is_rejected(pair):
 
 
 def test_without_the_cache_volume_the_engine_tunes_again(pair):
-    autotune = pytest.importorskip("wcache.autotune", reason="the autotune pass ([warm-1]) is not in this tree")
+    autotune = pytest.importorskip("wcache.core.autotune", reason="the autotune pass ([warm-1]) is not in this tree")
     trials = re.escape(autotune.TRIALS_LINE).replace(re.escape("{trials}"), r"(\d+)")
     loaded = autotune.LOADED.split("{n}")[0]
     paired = logs(pair.engine)
@@ -160,7 +160,7 @@ def test_without_the_cache_volume_the_engine_tunes_again(pair):
 
 PEER_PROBE = """
 import glob, socket
-from wcache.protocol import recv_frame, request, send_frame
+from wcache.wire.protocol import recv_frame, request, send_frame
 s = socket.socket(socket.AF_UNIX)
 s.connect(glob.glob("/run/wcache/sockets/*.sock")[0])
 send_frame(s, request("get_memory"))

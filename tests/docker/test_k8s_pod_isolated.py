@@ -19,7 +19,7 @@ import pytest
 import yaml
 from dockerlib import ROOT
 
-from wcache.loader import parse_loader_config
+from wcache.engine.loader import parse_loader_config
 
 POD = ROOT / "examples" / "k8s-pod-isolated.yaml"
 COMPOSE = ROOT / "examples" / "compose-isolated.yaml"

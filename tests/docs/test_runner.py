@@ -280,7 +280,7 @@ def test_expect_output_in_order_with_log_prefixes(tmp_path: Path, request) -> No
 
     ```bash
     echo "INFO 12-02 14:07:00 [loader.py:88] Mapped 291 tensors from the weight cache daemon (zero_copy mode)"
-    echo "2026-12-02 14:07:01,123 WARNING wcache.engine: second line"
+    echo "2026-12-02 14:07:01,123 WARNING wcache.engine.engine: second line"
     echo done
     ```
 
@@ -519,9 +519,9 @@ def test_json_blocks(tmp_path: Path, request) -> None:
 
 
 def test_loader_config_is_checked_by_wcache(tmp_path: Path, request) -> None:
-    loader = pytest.importorskip("wcache.loader", reason="wcache.loader not importable yet")
+    loader = pytest.importorskip("wcache.engine.loader", reason="wcache.engine.loader not importable yet")
     if not hasattr(loader, "parse_loader_config"):
-        pytest.skip("wcache.loader.parse_loader_config not written yet")
+        pytest.skip("wcache.engine.loader.parse_loader_config not written yet")
     with pytest.raises(blocks.BlockFailure, match="LoaderConfigError"):
         run(tmp_path, request, '# P\n\n<!-- block: loader-config -->\n```json\n{"moed": "copy"}\n```\n')
     run(
@@ -730,7 +730,7 @@ def _real_wcache() -> str | None:
 
     exe = shutil.which("wcache", path=str(ROOT / ".venv" / "bin"))
     try:
-        has_checkpoint = importlib.util.find_spec("wcache.checkpoint") is not None
+        has_checkpoint = importlib.util.find_spec("wcache.core.checkpoint") is not None
     except ImportError:
         has_checkpoint = False
     return exe if exe and has_checkpoint else None

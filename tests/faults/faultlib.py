@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from procs import call, child_pids  # noqa: F401  (the fault tests import call from here)
-from wcache.device import device_identity
-from wcache.protocol import (
+from wcache.core.device import device_identity
+from wcache.wire.protocol import (
     MAX_FDS,
     MAX_FRAME_BYTES,
 )
-from wcache.sockets import socket_name
+from wcache.wire.sockets import socket_name
 
 HERE = Path(__file__).parent
 SEED = int(os.environ.get("WCACHE_FUZZ_SEED", "20261202"))  # printed by the summary; set it to replay a run
@@ -147,7 +147,7 @@ def exchange(sock: socket.socket, first: bytes, last: bytes = b"", fds=(), timeo
 
 
 # -- the frame generator ---------------------------------------------------------------------------
-# The texts a malformed frame may be answered with (wcache.protocol and errors.DAEMON_ERRORS).
+# The texts a malformed frame may be answered with (wcache.wire.protocol and errors.DAEMON_ERRORS).
 FRAME_ERRORS = ("connection closed after ", "frame of ", "frame is not valid JSON", "frame must be a JSON object",
                 "protocol version ", f"more than {MAX_FDS} file descriptors")
 REQUEST_ERRORS = ("unknown request ", "get_state needs a key object")

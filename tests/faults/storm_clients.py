@@ -1,5 +1,5 @@
 """Many engines at once, in one process: N threads released together by a barrier, each running the
-real loader (``wcache.loader.load_from_cache``) against a live daemon, some in zero_copy mode and
+real loader (``wcache.engine.loader.load_from_cache``) against a live daemon, some in zero_copy mode and
 some in copy mode. (N full `wcache serve` processes would each pay a torch import on a 2-core box.)
 
 Run as ``python storm_clients.py MODEL SOCKET N COPY_EVERY``: every COPY_EVERY-th engine uses copy
@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 
-from wcache.config import EngineConfig
+from wcache.core.config import EngineConfig
 from wcache.errors import UserError
-from wcache.fingerprint import cache_key
-from wcache.loader import LoaderConfig, load_from_cache
+from wcache.core.fingerprint import cache_key
+from wcache.engine.loader import LoaderConfig, load_from_cache
 
 
 def main() -> int:

@@ -30,11 +30,11 @@ from faultlib import (
     wait_until,
 )
 from procs import complete, free_port, http
-from wcache import checkpoint
-from wcache.config import EngineConfig
-from wcache.engine import load_weights
+from wcache.core import checkpoint
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
 from wcache.errors import FALLBACK, MAPPED, REASONS
-from wcache.loader import LoaderConfig
+from wcache.engine.loader import LoaderConfig
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def lost_prefix(sock) -> str:
 def test_rank_killed_during_after_and_before_handoffs(fault_procs, fault_env, tiny_model, caplog):
     TALLY.fault("daemon rank hangs (SIGSTOP) during a handoff", "daemon rank SIGKILLed during handoffs",
                 "daemon rank SIGKILLed after a handoff", "daemon rank SIGKILLed before a handoff (stale socket)")
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     port = free_port()
     daemon = fault_procs.preload(tiny_model, "--no-enable-autotune", "--weight-cache-health-port", str(port),
                                  "--weight-cache-health-host", "127.0.0.1")
@@ -120,7 +120,7 @@ def test_rank_killed_during_after_and_before_handoffs(fault_procs, fault_env, ti
 
 def test_engine_killed_mid_copy_leaves_the_daemon_serving(fault_procs, fault_env, mid_model, caplog):
     TALLY.fault("engine SIGKILLed while it copies the arena (copy mode)")
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     daemon = fault_procs.preload(mid_model, "--no-enable-autotune")
     sock = default_socket(fault_env)
     [rank] = rank_pids(daemon.pid)

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 from faultlib import HERE
-from wcache import daemon, errors, launcher, seed
+from wcache.daemon import rank as daemon
+from wcache import errors
+from wcache.daemon import launcher
+from wcache.daemon import seed
 from wcache.errors import DAEMON_ERRORS, FALLBACK, REASONS, CacheUnusable
-from wcache.loader import CacheClient, LoaderConfig
-from wcache.protocol import recv_frame, reply, send_frame
+from wcache.engine.loader import CacheClient, LoaderConfig
+from wcache.wire.protocol import recv_frame, reply, send_frame
 
 ROOT = HERE.parent.parent
 PACKAGE = ROOT / "reference_impl" / "wcache"

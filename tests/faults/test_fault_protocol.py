@@ -45,14 +45,14 @@ from faultlib import (
     wait_until,
 )
 from procs import free_port, http
-from wcache import seed
-from wcache.config import EngineConfig
-from wcache.daemon import MAX_CLIENTS, REQUEST_TIMEOUT_S
-from wcache.engine import load_weights
+from wcache.daemon import seed
+from wcache.core.config import EngineConfig
+from wcache.daemon.rank import MAX_CLIENTS, REQUEST_TIMEOUT_S
+from wcache.engine.engine import load_weights
 from wcache.errors import DAEMON_ERRORS, FALLBACK, REASONS, SEED_BUSY
-from wcache.loader import LoaderConfig, load_from_cache
-from wcache.model import bind_weights, build_meta_model
-from wcache.protocol import request
+from wcache.engine.loader import LoaderConfig, load_from_cache
+from wcache.model.llama import bind_weights, build_meta_model
+from wcache.wire.protocol import request
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +151,7 @@ def test_64_engines_at_once_are_all_served(daemon, rank, sock, lease, tiny_model
 def test_a_full_daemon_refuses_with_busy_and_a_waiting_engine_gets_in(daemon, rank, sock, lease, cfg, ports,
                                                                       caplog):
     TALLY.fault("more connections than the daemon serves")
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     threads = thread_count(rank)
     idle = []
     try:

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from faultlib import TALLY, alive, default_socket, rank_pids
 from procs import free_port, http
-from wcache.config import EngineConfig
-from wcache.engine import load_weights
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
 from wcache.errors import FALLBACK, REASONS, SocketSecurityError, WeightCacheError
-from wcache.loader import LoaderConfig
+from wcache.engine.loader import LoaderConfig
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def maps_again(cfg, daemon, port) -> None:
 
 def test_socket_replaced_by_a_symlink_or_a_file_after_start(daemon, sock, cfg, port, caplog):
     TALLY.fault("socket replaced by a symlink after the daemon started", "socket replaced by a regular file")
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     aside = sock.with_name(sock.name + ".moved")
     os.rename(sock, aside)  # the daemon still listens on it, under the new name
     try:
@@ -104,9 +104,9 @@ def test_socket_dir_replaced_by_a_symlink_after_start(daemon, sock, cfg, port):
 
 OTHER_UID_ENGINE = r"""
 import json, os, sys
-from wcache.config import EngineConfig
-from wcache.engine import load_weights
-from wcache.loader import LoaderConfig
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
+from wcache.engine.loader import LoaderConfig
 cfg = EngineConfig.build(sys.argv[1], "auto", None, "cpu")
 for _ in range(2):
     _, r = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=sys.argv[2]))

@@ -13,12 +13,12 @@ import pytest
 import torch
 from procs import Processes, complete
 
-from wcache.checkpoint import make_checkpoint
-from wcache.config import EngineConfig
-from wcache.engine import load_weights
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
 from wcache.errors import LEASED_AGAIN
-from wcache.loader import LoaderConfig, load_from_cache
-from wcache.protocol import recv_frame, reply, send_frame
+from wcache.engine.loader import LoaderConfig, load_from_cache
+from wcache.wire.protocol import recv_frame, reply, send_frame
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +29,7 @@ pytestmark = [
 @pytest.fixture(params=["cuda_ipc", "vmm_fd"])
 def transport(request):
     if request.param == "vmm_fd":
-        from wcache import cuda_vmm
+        from wcache.wire import cuda_vmm
 
         if not cuda_vmm.available():
             pytest.skip("vmm_fd needs cuda-python's driver bindings (pip install cuda-bindings)")

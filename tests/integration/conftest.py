@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from procs import Processes, private_env
-from wcache.checkpoint import make_checkpoint
+from wcache.core.checkpoint import make_checkpoint
 
 
 
@@ -57,6 +57,6 @@ def own_autotune_cache(procs, monkeypatch):
 @pytest.fixture
 def cfg(tiny_model):
     """The tiny model's engine configuration on CPU."""
-    from wcache.config import EngineConfig
+    from wcache.core.config import EngineConfig
 
     return EngineConfig.build(str(tiny_model), "auto", None, "cpu")

@@ -13,10 +13,10 @@ import json
 import sys
 
 import torch
-from wcache.config import EngineConfig
-from wcache.engine import load_weights
-from wcache.loader import LoaderConfig
-from wcache.model import bind_weights, build_meta_model
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
+from wcache.engine.loader import LoaderConfig
+from wcache.model.llama import bind_weights, build_meta_model
 
 
 def memory() -> dict[str, int]:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from procs import call, child_pids  # noqa: F401  (call is re-exported: the raw protocol client)
-from wcache.device import device_identity
-from wcache.sockets import socket_name
+from wcache.core.device import device_identity
+from wcache.wire.sockets import socket_name
 
 HERE = Path(__file__).parent
 
@@ -41,10 +41,10 @@ def fallback_reason(cfg, caplog, **loader) -> str:
     """Load with the ipc_cache loader, expect a disk fallback, and return its logged reason."""
     import logging
 
-    from wcache.engine import load_weights
-    from wcache.loader import LoaderConfig
+    from wcache.engine.engine import load_weights
+    from wcache.engine.loader import LoaderConfig
 
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     _, report = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
     assert report.source == "disk", "the engine should have loaded from disk"
     assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from procs import READY, complete
-from wcache.launcher import STARTUP_FAILED
+from wcache.daemon.launcher import STARTUP_FAILED
 
 TUNED = re.compile(r"\[Autotuner\]: Tuned (\d+) configs in [\d.]+ s \((\d+) trials\); saved to (\S+\.json)")
 LOADED = re.compile(r"\[Autotuner\]: Loaded (\d+) configs from (\S+\.json)")

@@ -18,7 +18,7 @@ import pytest
 from procs import free_port
 from wcache import cli
 from wcache.errors import SocketSecurityError, UnsupportedQuantForIPCError
-from wcache.loader import LOADER_KEYS
+from wcache.engine.loader import LOADER_KEYS
 
 GPTQ = UnsupportedQuantForIPCError.TEMPLATE.format(method="gptq")
 

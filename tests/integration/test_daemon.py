@@ -21,13 +21,13 @@ from itest import call, default_socket, rank_pids, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from procs import free_port, http
-from wcache.config import EngineConfig
-from wcache.disk import load_processed
-from wcache.engine import load_weights
+from wcache.core.config import EngineConfig
+from wcache.core.disk import load_processed
+from wcache.engine.engine import load_weights
 from wcache.errors import WeightCacheError
-from wcache.loader import LoaderConfig
-from wcache.model import bind_weights, build_meta_model, generate
-from wcache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from wcache.engine.loader import LoaderConfig
+from wcache.model.llama import bind_weights, build_meta_model, generate
+from wcache.wire.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 
 PROMPT = [256, *b"The weight cache"]
 
@@ -176,7 +176,7 @@ def test_fuzzed_frames_never_take_the_daemon_down(daemon, sock, data):
 
 
 def test_zero_copy_engine_is_bit_identical_to_disk_and_holds_a_lease(daemon, sock, tiny_model, caplog):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     disk_logits, disk_ids, disk = forward(tiny_model, load_format="safetensors")
     logits, ids, report = forward(tiny_model, LoaderConfig(fallback=False))
     try:
@@ -191,7 +191,7 @@ def test_zero_copy_engine_is_bit_identical_to_disk_and_holds_a_lease(daemon, soc
 
 
 def test_key_mismatch_falls_back_with_the_differing_fields(daemon, sock, tiny_model, caplog):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     _, _, report = forward(tiny_model, LoaderConfig(), dtype="float32")
     assert report.source == "disk" and report.fallback_reason == "WeightCacheKey mismatch on fields: ['dtype']"
     assert ("Weight cache unusable (WeightCacheKey mismatch on fields: ['dtype']); falling back to disk loading"
@@ -204,7 +204,7 @@ def test_key_mismatch_falls_back_with_the_differing_fields(daemon, sock, tiny_mo
 
 
 def test_a_symlinked_or_foreign_socket_path_is_refused(daemon, sock, tiny_model, tmp_path, caplog):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     link = tmp_path / "link.sock"
     link.symlink_to(sock)
     _, _, report = forward(tiny_model, LoaderConfig(socket_path=str(link)))

@@ -15,14 +15,14 @@ from dataclasses import asdict
 
 import pytest
 from itest import fallback_reason  # the cfg fixture comes from conftest
-from wcache.config import Ranks
-from wcache.daemon import MAX_SOCKET_PATH, SOCKET_PATH_TOO_LONG, RankDaemon
-from wcache.device import device_identity
-from wcache.engine import load_weights
+from wcache.core.config import Ranks
+from wcache.daemon.rank import MAX_SOCKET_PATH, SOCKET_PATH_TOO_LONG, RankDaemon
+from wcache.core.device import device_identity
+from wcache.engine.engine import load_weights
 from wcache.errors import UnsupportedPlatformForIPCError, UserError
-from wcache.loader import LoaderConfig
-from wcache.protocol import recv_frame, reply, send_frame
-from wcache.sockets import socket_name
+from wcache.engine.loader import LoaderConfig
+from wcache.wire.protocol import recv_frame, reply, send_frame
+from wcache.wire.sockets import socket_name
 
 ENGINE_ID = device_identity("cpu", 0)
 

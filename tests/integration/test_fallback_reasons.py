@@ -13,17 +13,17 @@ import time
 
 import pytest
 from itest import fallback_reason  # the cfg fixture comes from conftest
-from wcache.device import device_identity
-from wcache.engine import load_weights
+from wcache.core.device import device_identity
+from wcache.engine.engine import load_weights
 from wcache.errors import (
     REASONS,
     SocketSecurityError,
     WeightCacheError,
     WeightCacheTimeoutError,
 )
-from wcache.loader import LoaderConfig
-from wcache.protocol import recv_frame, reply, send_frame
-from wcache.sockets import socket_name
+from wcache.engine.loader import LoaderConfig
+from wcache.wire.protocol import recv_frame, reply, send_frame
+from wcache.wire.sockets import socket_name
 
 ENGINE_ID = device_identity("cpu", 0)
 
@@ -138,7 +138,7 @@ def test_fallback_false_fails_at_once_on_a_reason_not_worth_waiting_for(cfg, fak
 
 
 def test_fallback_false_waits_for_the_daemon_then_fails(cfg, caplog, wcache_env):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     t0 = time.monotonic()
     with pytest.raises(WeightCacheTimeoutError) as err:
         load_weights(cfg, "ipc_cache", LoaderConfig(fallback=False, state_timeout_s=0.6))

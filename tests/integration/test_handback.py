@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from itest import call, default_socket, rank_pids, wait_until
 from procs import complete
-from wcache.checkpoint import make_checkpoint
-from wcache.config import EngineConfig
-from wcache.device import device_identity
-from wcache.disk import load_processed
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.config import EngineConfig
+from wcache.core.device import device_identity
+from wcache.core.disk import load_processed
 from wcache.errors import (
     ADOPTED,
     HANDED_BACK,
@@ -32,10 +32,10 @@ from wcache.errors import (
     OWN_COPY,
     STALE_OFFER,
 )
-from wcache.fingerprint import cache_key
-from wcache.handback import OFFER_SUFFIX
-from wcache.protocol import recv_frame, reply, send_frame
-from wcache.transport import CpuArena, manifest
+from wcache.core.fingerprint import cache_key
+from wcache.wire.handback import OFFER_SUFFIX
+from wcache.wire.protocol import recv_frame, reply, send_frame
+from wcache.wire.transport import CpuArena, manifest
 
 NO_TUNE = "--no-enable-autotune"
 LOADED = "Rank 0 loaded 27 tensors"

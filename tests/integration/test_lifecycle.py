@@ -10,11 +10,11 @@ import pytest
 import torch
 from itest import call, default_socket, rank_pids, wait_until
 from procs import free_port, http
-from wcache.config import EngineConfig
-from wcache.engine import load_weights
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
 from wcache.errors import WeightCacheError, WeightCacheTimeoutError
-from wcache.loader import LoaderConfig
-from wcache.model import bind_weights, build_meta_model
+from wcache.engine.loader import LoaderConfig
+from wcache.model.llama import bind_weights, build_meta_model
 
 PROMPT = [256, *b"restart me"]
 
@@ -40,7 +40,7 @@ def release(report):
 
 
 def test_a_killed_rank_leaves_a_stale_socket_that_the_next_daemon_recovers(procs, tiny_model, wcache_env, caplog):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     port = free_port()
     health = f"http://127.0.0.1:{port}/health"
     first = procs.preload(tiny_model, "--weight-cache-health-port", str(port), "--weight-cache-health-host", "127.0.0.1")
@@ -73,7 +73,7 @@ def test_a_killed_rank_leaves_a_stale_socket_that_the_next_daemon_recovers(procs
 
 
 def test_copy_mode_releases_the_daemon_and_sigterm_removes_the_socket(procs, tiny_model, wcache_env, caplog):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     port = free_port()
     daemon = procs.preload(tiny_model, "--weight-cache-health-port", str(port), "--weight-cache-health-host", "127.0.0.1")
     sock = default_socket(wcache_env)

@@ -10,8 +10,8 @@ import re
 
 from itest import call, default_socket
 from procs import complete, http
-from wcache.config import EngineConfig
-from wcache.disk import load_processed
+from wcache.core.config import EngineConfig
+from wcache.core.disk import load_processed
 
 PLAN = re.compile(r"Memory plan \(bytes\): (\{.*\})")
 MiB = 1 << 20

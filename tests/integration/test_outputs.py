@@ -10,12 +10,12 @@ import pytest
 import torch
 from itest import call, wait_until
 from procs import READY
-from wcache.config import EngineConfig
-from wcache.device import device_identity
-from wcache.engine import load_weights
-from wcache.loader import LoaderConfig
-from wcache.model import bind_weights, build_meta_model, generate
-from wcache.sockets import socket_name
+from wcache.core.config import EngineConfig
+from wcache.core.device import device_identity
+from wcache.engine.engine import load_weights
+from wcache.engine.loader import LoaderConfig
+from wcache.model.llama import bind_weights, build_meta_model, generate
+from wcache.wire.sockets import socket_name
 
 PROMPT = [256, *b"Tied or not"]
 
@@ -44,7 +44,7 @@ def run(model_dir, quantization, load_format, lc=None):
 
 @pytest.mark.parametrize("variant", ["tied", "int8"])
 def test_disk_zero_copy_and_copy_are_bit_identical(daemons, variant, caplog):
-    caplog.set_level(logging.INFO, "wcache.loader")
+    caplog.set_level(logging.INFO, "wcache.engine.loader")
     model_dir, quant, socket_dir = daemons[variant]
     sock = socket_dir / socket_name(device_identity("cpu", 0))
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 from procs import _healthy, child_pids, complete, free_port, http
-from wcache import tokenizer
-from wcache.checkpoint import make_checkpoint
-from wcache.config import EngineConfig, Ranks
-from wcache.device import device_identity
-from wcache.disk import load_processed
-from wcache.launcher import STARTUP_FAILED
-from wcache.loader import LoaderConfig, load_from_cache
-from wcache.model import bind_weights, build_meta_model, generate
-from wcache.sockets import DaemonLock, prepare_socket_dir, socket_name
-from wcache.workers import WORKERS_EXITED
+from wcache.model import tokenizer
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.config import EngineConfig, Ranks
+from wcache.core.device import device_identity
+from wcache.core.disk import load_processed
+from wcache.daemon.launcher import STARTUP_FAILED
+from wcache.engine.loader import LoaderConfig, load_from_cache
+from wcache.model.llama import bind_weights, build_meta_model, generate
+from wcache.wire.sockets import DaemonLock, prepare_socket_dir, socket_name
+from wcache.engine.workers import WORKERS_EXITED
 
 NO_TUNE = "--no-enable-autotune"
 PROMPT = "Hello"

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from procs import free_port
-from wcache import tokenizer
-from wcache.checkpoint import make_checkpoint
+from wcache.model import tokenizer
+from wcache.core.checkpoint import make_checkpoint
 from wcache.cli import build_parser
-from wcache.loader import parse_loader_config
-from wcache.workers import OP_GENERATE, OP_STOP, RankRunner, rank_specs, spawn_worker
+from wcache.engine.loader import parse_loader_config
+from wcache.engine.workers import OP_GENERATE, OP_STOP, RankRunner, rank_specs, spawn_worker
 
 TP_ATOL = 1e-5  # logits of this model are O(1); float32 reordering moves them by about 2e-7
 PROMPT = tokenizer.encode("The weight cache keeps")

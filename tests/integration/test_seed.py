@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 from procs import READY, free_port
-from wcache import autotune, seed
+from wcache.core import autotune
+from wcache.daemon import seed
 from wcache.cli import main as cli_main
-from wcache.config import EngineConfig
+from wcache.core.config import EngineConfig
 from wcache.errors import SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
-from wcache.protocol import recv_frame, request, send_frame
+from wcache.wire.protocol import recv_frame, request, send_frame
 
 TOKEN = "s3cr3t-token-for-tests-0123456789"
 TRIALS = re.compile(r"\[Autotuner\]: (\d+) tuning trials in this process")

@@ -7,8 +7,8 @@ import os
 
 from itest import call, default_socket
 from procs import _healthy, complete, free_port, http
-from wcache.device import device_identity
-from wcache.sockets import socket_name
+from wcache.core.device import device_identity
+from wcache.wire.sockets import socket_name
 
 
 def test_a_waiting_engine_maps_the_daemon_once_ready_an_early_one_keeps_its_disk_copy(procs, tiny_model, wcache_env):

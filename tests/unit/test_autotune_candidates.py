@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from wcache import autotune
-from wcache.config import EngineConfig, Ranks
-from wcache.disk import load_processed
-from wcache.model import bind_weights, build_meta_model
+from wcache.core import autotune
+from wcache.core.config import EngineConfig, Ranks
+from wcache.core.disk import load_processed
+from wcache.model.llama import bind_weights, build_meta_model
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

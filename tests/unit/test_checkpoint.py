@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 from wcache import cli
-from wcache.checkpoint import (
+from wcache.core.checkpoint import (
     PRESETS,
     hf_config,
     make_checkpoint,
@@ -118,7 +118,7 @@ def test_small_preset_is_about_500_mb():
 def test_unknown_preset_and_missing_config_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Unknown preset 'huge'; choose one of \["):
         make_checkpoint(tmp_path / "x", "huge")
-    from wcache.checkpoint import CheckpointError
+    from wcache.core.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="No config.json in .*: not a model directory"):
         read_config(tmp_path)

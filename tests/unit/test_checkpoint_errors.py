@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from wcache.checkpoint import CheckpointError
+from wcache.core.checkpoint import CheckpointError
 from wcache.cli import main
-from wcache.fingerprint import _hash_file
+from wcache.core.fingerprint import _hash_file
 
 
 def test_unreadable_file_is_named(tmp_path):

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from wcache import fingerprint
-from wcache.config import EngineConfig, Ranks
-from wcache.fingerprint import (
+from wcache.core import fingerprint
+from wcache.core.config import EngineConfig, Ranks
+from wcache.core.fingerprint import (
     KEY_FIELDS,
     cache_key,
     checkpoint_digest,
     mismatched_fields,
 )
-from wcache.protocol import PROTOCOL_VERSION
+from wcache.wire.protocol import PROTOCOL_VERSION
 
 
 @pytest.fixture

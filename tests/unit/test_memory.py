@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from wcache import memory
-from wcache.config import EngineConfig, Ranks
-from wcache.disk import load_processed
-from wcache.engine import Engine
+from wcache.engine import memory
+from wcache.core.config import EngineConfig, Ranks
+from wcache.core.disk import load_processed
+from wcache.engine.engine import Engine
 from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
-from wcache.model import bind_weights, build_meta_model
+from wcache.model.llama import bind_weights, build_meta_model
 
 MiB = 1 << 20
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from wcache.checkpoint import read_config, shard_files
-from wcache.config import EngineConfig, Ranks
-from wcache.disk import load_processed
-from wcache.model import BindError, ModelShape, bind_weights, build_meta_model, generate
-from wcache.postprocess import fused_gate_up, fused_qkv, split_cols, split_rows
-from wcache.quant import (
+from wcache.core.checkpoint import read_config, shard_files
+from wcache.core.config import EngineConfig, Ranks
+from wcache.core.disk import load_processed
+from wcache.model.llama import BindError, ModelShape, bind_weights, build_meta_model, generate
+from wcache.core.postprocess import fused_gate_up, fused_qkv, split_cols, split_rows
+from wcache.model.quant import (
     METHODS,
     GroupInt4,
     Int8WeightOnly,

@@ -10,8 +10,8 @@ import socket
 import struct
 
 import pytest
-from wcache import protocol
-from wcache.protocol import (
+from wcache.wire import protocol
+from wcache.wire.protocol import (
     MAX_FDS,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,

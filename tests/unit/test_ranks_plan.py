@@ -1,5 +1,5 @@
-"""Rank planning and its validation (wcache.ranks), parsed from the real command line; and greedy
-draft-then-verify decoding in one process (wcache.workers), which must give the target's greedy
+"""Rank planning and its validation (wcache.core.ranks), parsed from the real command line; and greedy
+draft-then-verify decoding in one process (wcache.engine.workers), which must give the target's greedy
 output whatever the draft proposes."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from wcache import ranks, tokenizer
-from wcache.checkpoint import make_checkpoint, shard_files
+from wcache.core import ranks
+from wcache.model import tokenizer
+from wcache.core.checkpoint import make_checkpoint, shard_files
 from wcache.cli import build_parser, main
-from wcache.config import EngineConfig
-from wcache.disk import load_processed
-from wcache.loader import parse_loader_config
-from wcache.model import bind_weights, build_meta_model, generate
-from wcache.workers import RankRunner, rank_specs
+from wcache.core.config import EngineConfig
+from wcache.core.disk import load_processed
+from wcache.engine.loader import parse_loader_config
+from wcache.model.llama import bind_weights, build_meta_model, generate
+from wcache.engine.workers import RankRunner, rank_specs
 
 TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512}
 WIDE = {"num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 8, "vocab_size": 512}

@@ -1,6 +1,6 @@
 """One weight-cache daemon rank: load once, pack into an arena, then serve engines over a Unix socket.
 
-Started by the launcher as a fresh interpreter (``python -m wcache.daemon``), never forked: forking
+Started by the launcher as a fresh interpreter (``python -m wcache.daemon.rank``), never forked: forking
 after torch has run a parallel op can deadlock the child. The launcher passes a JSON spec in the
 environment and a pipe descriptor on which the rank reports, as one JSON line, that it serves.
 
@@ -25,20 +25,22 @@ from pathlib import Path
 
 import torch
 
-from . import autotune, logs, seed
-from .config import EngineConfig
-from .device import device_identity
-from .disk import load_processed
-from .errors import (
+from wcache.core import autotune
+from wcache import logs
+from wcache.daemon import seed
+from wcache.core.config import EngineConfig
+from wcache.core.device import device_identity
+from wcache.core.disk import load_processed
+from wcache.errors import (
     DAEMON_ERRORS,
     REASONS,
     AutotuneFailedError,
     UnsupportedQuantForIPCError,
     UserError,
 )
-from .fingerprint import cache_key, checkpoint_digest, mismatched_fields
-from .handback import HANDED_BACK_KINDS, take_back
-from .protocol import (
+from wcache.core.fingerprint import cache_key, checkpoint_digest, mismatched_fields
+from wcache.wire.handback import HANDED_BACK_KINDS, take_back
+from wcache.wire.protocol import (
     ProtocolError,
     close_fds,
     drain,
@@ -47,8 +49,8 @@ from .protocol import (
     reply,
     send_frame,
 )
-from .ranks import exit_after_collectives
-from .sockets import (
+from wcache.core.ranks import exit_after_collectives
+from wcache.wire.sockets import (
     MAX_SOCKET_PATH,
     DaemonLock,
     bind_private_socket,
@@ -56,7 +58,7 @@ from .sockets import (
     prepare_socket_dir,
     socket_name,
 )
-from .transport import make_arena, manifest, resolve_transport
+from wcache.wire.transport import make_arena, manifest, resolve_transport
 
 log = logging.getLogger("wcache.daemon")
 
@@ -96,7 +98,7 @@ class RankDaemon:
         t0 = time.perf_counter()
         digest, stats = checkpoint_digest(self.cfg.model)
         self.key = cache_key(self.cfg, digest)
-        from .ranks import (
+        from wcache.core.ranks import (
             join_daemon_world,  # one torch.distributed world over all ranks and nodes
         )
 

@@ -21,10 +21,10 @@ import time
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .config import EngineConfig, Ranks
-from .errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
-from .seed import preload_seed_settings
-from .sockets import prepare_socket_dir
+from wcache.core.config import EngineConfig, Ranks
+from wcache.errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
+from wcache.daemon.seed import preload_seed_settings
+from wcache.wire.sockets import prepare_socket_dir
 
 log = logging.getLogger("wcache.preload")
 
@@ -47,7 +47,7 @@ def add_preload_args(p) -> None:
     g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
                    help="before loading, take the weights back from a running zero_copy engine whose daemon "
                         "died (memfd and vmm_fd arenas; see docs/how-it-works.md, Restarts)")
-    from .ranks import add_daemon_port_args
+    from wcache.core.ranks import add_daemon_port_args
 
     add_daemon_port_args(g)
     s = p.add_argument_group("autotune seeding (see docs/autotune.md)")
@@ -101,7 +101,7 @@ def start_health_server(host: str, port: int, health: Health) -> ThreadingHTTPSe
 def plan_local_ranks(args, cfg):
     """This node's daemon ranks and groups (target, plus the draft with a cached speculative
     method), after validating the parallel flags; see ranks.py for the layout."""
-    from .ranks import plan_daemons
+    from wcache.core.ranks import plan_daemons
 
     return plan_daemons(args, cfg)
 
@@ -118,7 +118,7 @@ class RankProcess:
         self.label = f"draft:{ranks.global_rank}" if spec.get("draft") else ranks.global_rank
         r, w = os.pipe()
         env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ranks": asdict(ranks), "ready_fd": w}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon"], env=env, pass_fds=(w,))
+        self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env, pass_fds=(w,))
         os.close(w)
         self.ready_pipe = os.fdopen(r, "r")
         self.info: dict | None = None

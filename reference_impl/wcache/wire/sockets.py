@@ -17,7 +17,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from .errors import DaemonLockError, SocketSecurityError
+from wcache.errors import DaemonLockError, SocketSecurityError
 
 SOCKET_PREFIX = "wcache_weight_cache_"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL

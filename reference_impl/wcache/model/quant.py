@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from .errors import UserError
+from wcache.errors import UserError
 
 
 class QuantMethod:

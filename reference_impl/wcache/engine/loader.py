@@ -24,21 +24,21 @@ from pathlib import Path
 
 import torch
 
-from . import errors
-from .config import EngineConfig
-from .device import device_identity
-from .errors import (
+from wcache import errors
+from wcache.core.config import EngineConfig
+from wcache.core.device import device_identity
+from wcache.errors import (
     CacheUnusable,
     LoaderConfigError,
     UnsupportedPlatformForIPCError,
     UnsupportedQuantForIPCError,
 )
-from .fingerprint import cache_key
-from .handback import ASK_TIMEOUT_S, HANDED_BACK_KINDS, ArenaOffer
-from .postprocess import ProcessedWeights
-from .protocol import ProtocolError, close_fds, recv_frame, request, send_frame
-from .sockets import check_socket_file, prepare_socket_dir, socket_name
-from .transport import TRANSPORTS, bind_views, open_arena, resolve_transport
+from wcache.core.fingerprint import cache_key
+from wcache.wire.handback import ASK_TIMEOUT_S, HANDED_BACK_KINDS, ArenaOffer
+from wcache.core.postprocess import ProcessedWeights
+from wcache.wire.protocol import ProtocolError, close_fds, recv_frame, request, send_frame
+from wcache.wire.sockets import check_socket_file, prepare_socket_dir, socket_name
+from wcache.wire.transport import TRANSPORTS, bind_views, open_arena, resolve_transport
 
 log = logging.getLogger("wcache.loader")
 
@@ -263,7 +263,7 @@ def _lease_again(path: Path, lc: LoaderConfig, key: dict):
 
 def load_from_cache(cfg: EngineConfig, lc: LoaderConfig | None, draft: bool = False):
     """(weights, report) from the daemon, or (None, report with fallback_reason) to load from disk."""
-    from .engine import LoadReport
+    from wcache.engine.engine import LoadReport
 
     lc = lc or LoaderConfig()
     _check_supported(cfg)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .postprocess import ProcessedWeights
-from .protocol import ProtocolError, close_fds
+from wcache.core.postprocess import ProcessedWeights
+from wcache.wire.protocol import ProtocolError, close_fds
 
 CPU_ALIGN = 64
 CUDA_ALIGN = 512  # keeps every view aligned for vectorized kernels
@@ -240,7 +240,7 @@ class CudaArena:
     kind = "cuda_ipc"
 
     def __init__(self, weights: ProcessedWeights, device: torch.device):
-        from . import cuda_ipc
+        from wcache.wire import cuda_ipc
 
         self.layout = plan_layout(weights.tensors, CUDA_ALIGN)
         self.weights_bytes = weights.nbytes
@@ -263,7 +263,7 @@ class CudaArena:
 
     def close(self) -> None:
         if self.ptr is not None:
-            from . import cuda_ipc
+            from wcache.wire import cuda_ipc
 
             torch.cuda.synchronize(self.device)
             cuda_ipc.free(self.ptr)
@@ -276,7 +276,7 @@ class CudaVmmArena:
     kind = "cuda_vmm_fd"
 
     def __init__(self, weights: ProcessedWeights, device: torch.device):
-        from . import cuda_vmm
+        from wcache.wire import cuda_vmm
 
         self.layout = plan_layout(weights.tensors, CUDA_ALIGN)
         self.weights_bytes = weights.nbytes
@@ -290,7 +290,7 @@ class CudaVmmArena:
     def adopt(cls, desc: dict, layout: "Layout", fd: int, device: torch.device) -> "CudaVmmArena":
         """Serve a VMM allocation an engine handed back: import it (our own reference, so the memory
         lives while this daemon does) and pass the same descriptor on to later engines."""
-        from . import cuda_vmm
+        from wcache.wire import cuda_vmm
 
         alloc = cuda_vmm.import_fd(os.dup(fd), layout.size, device)
         try:
@@ -330,7 +330,7 @@ def resolve_transport(choice: str, device: torch.device) -> str:
     if device.type != "cuda":
         return CpuArena.kind
     if choice == "auto":
-        from . import cuda_vmm
+        from wcache.wire import cuda_vmm
 
         return CudaVmmArena.kind if cuda_vmm.available() else CudaArena.kind
     return {"cuda_ipc": CudaArena.kind, "vmm_fd": CudaVmmArena.kind}[choice]
@@ -383,7 +383,7 @@ def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
         except ProtocolError:
             close_fds(fds)
             raise
-        from . import cuda_vmm
+        from wcache.wire import cuda_vmm
 
         alloc = cuda_vmm.import_fd(fds[0], size, device)
         return MappedArena(alloc.tensor(device), alloc.close)
@@ -391,7 +391,7 @@ def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
     if kind == CudaArena.kind:
         if device.type != "cuda":
             raise ProtocolError(f"the daemon serves a CUDA arena but this engine runs on {device}")
-        from . import cuda_ipc
+        from wcache.wire import cuda_ipc
 
         try:
             handle = base64.b64decode(desc.get("handle", ""), validate=True)

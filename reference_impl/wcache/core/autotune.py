@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import __version__
-from .config import EngineConfig
-from .fingerprint import mismatched_fields
+from wcache import __version__
+from wcache.core.config import EngineConfig
+from wcache.core.fingerprint import mismatched_fields
 
 log = logging.getLogger("wcache.autotune")
 
@@ -150,7 +150,7 @@ def _device_name(cfg: EngineConfig) -> str:
 def tune_key(cfg: EngineConfig) -> dict:
     """Everything that can change a tuning result. DP rank and local rank are left out on purpose:
     DP replicas run the same shapes, so they share (and may seed) one file."""
-    from .device import (
+    from wcache.core.device import (
         device_arch,  # torch.cuda queries; import late like the rest of device use
     )
 
@@ -179,7 +179,7 @@ def cache_dir() -> Path:
     override = os.environ.get("WCACHE_AUTOTUNE_CACHE_DIR")
     if override:
         return Path(override)
-    from .fingerprint import cache_root
+    from wcache.core.fingerprint import cache_root
 
     return cache_root() / "autotune"
 
@@ -388,7 +388,7 @@ def choose(configs: dict, proj: str, n: int, k: int):
 
 def apply(model, configs: dict) -> dict[str, int]:
     """Set each projection's ``impl`` from the winners; returns how many projections use each."""
-    from .model import Linear
+    from wcache.model.llama import Linear
 
     used: dict[str, int] = {}
     for block in model.layers.values():

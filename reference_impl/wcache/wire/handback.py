@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import (
+from wcache.errors import (
     ADOPTED,
     HANDED_BACK,
     LEASE_LOST,
@@ -44,10 +44,10 @@ from .errors import (
     STALE_OFFER,
     CacheUnusable,
 )
-from .fingerprint import mismatched_fields
-from .protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
-from .sockets import MAX_SOCKET_PATH, bind_private_socket, check_socket_file, peer_cred
-from .transport import CpuArena, CudaVmmArena, Layout, adopt_arena
+from wcache.core.fingerprint import mismatched_fields
+from wcache.wire.protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
+from wcache.wire.sockets import MAX_SOCKET_PATH, bind_private_socket, check_socket_file, peer_cred
+from wcache.wire.transport import CpuArena, CudaVmmArena, Layout, adopt_arena
 
 log = logging.getLogger("wcache.handback")
 

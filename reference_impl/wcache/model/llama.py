@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .quant import QuantMethod
+from wcache.model.quant import QuantMethod
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Linear(nn.Module):
         w = self.quant.dequantize(self._buffers, self.compute_dtype)
         if self.impl == "matmul_t":
             return torch.matmul(x, w.t())
-        if callable(self.impl):  # a winner of the autotune pass (wcache.autotune): fn(x, w)
+        if callable(self.impl):  # a winner of the autotune pass (wcache.core.autotune): fn(x, w)
             return self.impl(x, w)
         return F.linear(x, w)
 

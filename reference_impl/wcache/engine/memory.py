@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
-from .protocol import close_fds
+from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
+from wcache.wire.protocol import close_fds
 
 log = logging.getLogger("wcache.memory")
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .cuda_ipc import as_tensor
+from wcache.wire.cuda_ipc import as_tensor
 
 
 class CudaVmmError(RuntimeError):

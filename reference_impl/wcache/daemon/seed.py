@@ -8,7 +8,7 @@ whatever goes wrong (unreachable, wrong token, another configuration, no cache o
 logged with its own message and the replica tunes locally.
 
 Wire format: one request and one reply per connection, each an 8-byte big-endian length and a JSON
-object (``wcache.protocol``; no pickle). The token is compared in constant time (HMAC compare of
+object (``wcache.wire.protocol``; no pickle). The token is compared in constant time (HMAC compare of
 SHA-256 digests, so not even its length leaks) before the request's command is looked at. Only
 read-only fetches exist (``ping``, ``get_autotune``). Requests are bounded to ``MAX_REQUEST_BYTES``,
 replies to the autotune cache size limit, connections to ``MAX_CONNECTIONS`` at a time and
@@ -29,11 +29,11 @@ import threading
 import time
 from pathlib import Path
 
-from . import autotune
-from .config import EngineConfig
-from .errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
-from .fingerprint import mismatched_fields
-from .protocol import (
+from wcache.core import autotune
+from wcache.core.config import EngineConfig
+from wcache.errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
+from wcache.core.fingerprint import mismatched_fields
+from wcache.wire.protocol import (
     ProtocolError,
     close_fds,
     drain,

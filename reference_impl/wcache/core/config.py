@@ -6,8 +6,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import checkpoint, quant
-from .model import ModelShape
+from wcache.core import checkpoint
+from wcache.model import quant
+from wcache.model.llama import ModelShape
 
 DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
 

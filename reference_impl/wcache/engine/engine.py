@@ -7,10 +7,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import autotune, memory, tokenizer
-from .config import EngineConfig
-from .model import Llama, bind_weights, build_meta_model, generate
-from .postprocess import ProcessedWeights
+from wcache.core import autotune
+from wcache.engine import memory
+from wcache.model import tokenizer
+from wcache.core.config import EngineConfig
+from wcache.model.llama import Llama, bind_weights, build_meta_model, generate
+from wcache.core.postprocess import ProcessedWeights
 
 log = logging.getLogger("wcache.engine")
 
@@ -38,7 +40,7 @@ def load_weights(cfg: EngineConfig, load_format: str = "auto", loader_config=Non
         raise ValueError(f"Unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
     t0 = time.perf_counter()
     if load_format == "ipc_cache":
-        from .loader import load_from_cache  # the weight-cache client
+        from wcache.engine.loader import load_from_cache  # the weight-cache client
 
         weights, report = load_from_cache(cfg, loader_config, draft=draft)
         if weights is not None:
@@ -47,7 +49,7 @@ def load_weights(cfg: EngineConfig, load_format: str = "auto", loader_config=Non
         fallback_reason = report.fallback_reason
     else:
         fallback_reason = None
-    from .disk import load_processed
+    from wcache.core.disk import load_processed
 
     weights = load_processed(cfg)
     report = LoadReport("disk", time.perf_counter() - t0, len(weights.tensors), weights.nbytes,

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from . import checkpoint
-from .config import EngineConfig
-from .postprocess import ProcessedWeights, needed_checkpoint_names, postprocess
+from wcache.core import checkpoint
+from wcache.core.config import EngineConfig
+from wcache.core.postprocess import ProcessedWeights, needed_checkpoint_names, postprocess
 
 log = logging.getLogger("wcache.disk")
 

@@ -2,7 +2,7 @@
 
 ``wcache serve`` with ``--tensor-parallel-size``/``--pipeline-parallel-size`` > 1 (or a data-parallel
 rank, several nodes, or a speculative draft) runs here. The serve process is its node's first rank;
-every other local rank is a fresh interpreter (``python -m wcache.workers``, never a fork of a
+every other local rank is a fresh interpreter (``python -m wcache.engine.workers``, never a fork of a
 process that ran torch) that gets its settings as JSON in the environment. Each rank loads exactly
 its own shard, from disk or from its own daemon socket (the ipc_cache loader picks the socket from
 the rank's local rank), then all ranks of the engine meet in one world on
@@ -39,13 +39,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import autotune, logs, tokenizer
-from .config import EngineConfig
-from .engine import load_weights
-from .errors import UserError
-from .loader import parse_loader_config
-from .model import Llama, bind_weights, build_meta_model
-from .ranks import (
+from wcache.core import autotune
+from wcache import logs
+from wcache.model import tokenizer
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import load_weights
+from wcache.errors import UserError
+from wcache.engine.loader import parse_loader_config
+from wcache.model.llama import Llama, bind_weights, build_meta_model
+from wcache.core.ranks import (
     CACHED_DRAFT_METHODS,
     SPEC_SOCKET_PATH,
     ParallelConfigError,
@@ -310,7 +312,7 @@ class ParallelEngine:
 # -- processes --------------------------------------------------------------------------------
 def spawn_worker(spec: dict) -> subprocess.Popen:
     env = dict(os.environ, **{SPEC_ENV: json.dumps({**spec, "parent_pid": os.getpid()})})
-    return subprocess.Popen([sys.executable, "-m", "wcache.workers"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "wcache.engine.workers"], env=env)
 
 
 def stop_workers(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
@@ -382,7 +384,7 @@ def rank_specs(args, loader_config):
 
 def run_serve(args, loader_config) -> int:
     """``wcache serve`` for a multi-rank engine (see ranks.needs_workers)."""
-    from .server import EngineServer, run_until_signal
+    from wcache.engine.server import EngineServer, run_until_signal
 
     plan, specs = rank_specs(args, loader_config)
     log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import tokenizer
-from .errors import UserError
+from wcache.model import tokenizer
+from wcache.errors import UserError
 
 
 @dataclass(frozen=True)

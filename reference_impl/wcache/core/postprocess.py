@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import ModelShape
-from .quant import QuantMethod
+from wcache.model.llama import ModelShape
+from wcache.model.quant import QuantMethod
 
 
 def split_rows(w: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from .config import Ranks
-from .errors import UserError
+from wcache.core.config import Ranks
+from wcache.errors import UserError
 
 log = logging.getLogger("wcache.ranks")
 
@@ -168,7 +168,7 @@ def parse_speculative_config(value: str | dict | None) -> SpecConfig | None:
 
 def check_draft(spec: SpecConfig, target_hf: dict, tp: int, pp: int) -> dict:
     """The draft's config.json, after checking that it fits the target's layout."""
-    from .checkpoint import read_config
+    from wcache.core.checkpoint import read_config
 
     if pp > 1:
         raise ParallelConfigError(SPEC_PP)

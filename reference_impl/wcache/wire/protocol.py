@@ -14,7 +14,8 @@ import socket
 import struct
 import time
 
-PROTOCOL_VERSION = 1
+from wcache import PROTOCOL_VERSION
+
 MAX_FRAME_BYTES = 16 << 20  # a 10,000-tensor manifest is about 1.5 MB
 MAX_FDS = 8
 _HEADER = struct.Struct(">Q")

@@ -21,10 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import __version__, checkpoint
-from .config import EngineConfig
-from .device import device_arch
-from .protocol import PROTOCOL_VERSION
+from wcache import PROTOCOL_VERSION, __version__
+from wcache.core import checkpoint
+from wcache.core.config import EngineConfig
+from wcache.core.device import device_arch
 
 KEY_FIELDS = (
     "checkpoint", "architecture", "tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dp_rank",

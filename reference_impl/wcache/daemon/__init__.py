@@ -1,0 +1,1 @@
+"""Daemon side: `wcache preload` (launcher), one daemon per device rank (rank), autotune-cache seeding."""

@@ -1,0 +1,1 @@
+"""Engine side: the engine, its weight loaders, memory plan, rank workers and HTTP server."""
