@@ -68,6 +68,13 @@ class ExternalWeightsExceedBudgetError(UserError):
         super().__init__(self.TEMPLATE.format(**fields))
 
 
+class ServeAddressError(UserError):
+    """`wcache serve` cannot listen on --host/--port (most often: the port is taken)."""
+    IN_USE = ("Cannot serve on {host}:{port}: the port is already in use. Stop the process that listens "
+              "there, or start wcache serve with another --port")
+    OTHER = "Cannot serve on {host}:{port}: {error}"
+
+
 class KVCacheBudgetError(UserError):
     NO_ROOM = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization "
                "(or --cpu-memory-capacity on CPU)")

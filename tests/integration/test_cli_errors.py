@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from procs import free_port
 from wcache import cli
-from wcache.errors import SocketSecurityError, UnsupportedQuantForIPCError
+from wcache.errors import ServeAddressError, SocketSecurityError, UnsupportedQuantForIPCError
 from wcache.engine.loader import LOADER_KEYS
 
 GPTQ = UnsupportedQuantForIPCError.TEMPLATE.format(method="gptq")
@@ -118,3 +119,18 @@ def test_serve_refuses_an_unknown_loader_key(main, tiny_model):
     check(*main(*serve(tiny_model, "--load-format", "ipc_cache", "--model-loader-extra-config",
                        '{"fallback": true, "socket": "/x"}')),
           f"Unknown ipc_cache loader key(s) ['socket']; valid keys: {sorted(LOADER_KEYS)}")
+
+
+def test_serve_on_a_taken_port_says_so_in_one_line(tiny_model, module_env):
+    """Port 8000 taken by another server (here: a listening socket of this test) is the most common
+    first-run failure; the quick start quotes this text."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "wcache.cli", "serve", str(tiny_model), "--device", "cpu",
+                            "--host", "127.0.0.1", "--port", str(port)],
+                           check=False, env=module_env, capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    check(p.returncode, out, ServeAddressError.IN_USE.format(host="127.0.0.1", port=port))
+    assert len([ln for ln in out.splitlines() if ln.strip()]) == 1, out

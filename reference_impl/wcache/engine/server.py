@@ -7,6 +7,7 @@ server keeps serving.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import signal
@@ -15,6 +16,8 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from wcache.errors import ServeAddressError
 
 log = logging.getLogger("wcache.server")
 
@@ -60,7 +63,13 @@ class EngineServer(ThreadingHTTPServer):
         self.engine = engine
         self.model_name = model_name
         self.ready = engine is not None
-        super().__init__(address, _Handler)
+        try:
+            super().__init__(address, _Handler)
+        except OSError as e:  # e.g. port 8000 taken: one line and status 2, not a traceback
+            host, port = address[0], address[1]
+            if e.errno == errno.EADDRINUSE:
+                raise ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port)) from None
+            raise ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e)) from None
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self.serving.start()
