@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_rank_args(serve)
     serve.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
                        help="ipc_cache loader settings as a JSON object (see the loader key table)")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
     serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
@@ -99,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time weights-ready for disk, zero_copy and copy in one run")
     add_bench_args(bench)
+
+    from wcache.wait import add_wait_args
+
+    wait = sub.add_parser("wait", help="wait until a daemon or engine started with & is ready (health URL, log line)")
+    add_wait_args(wait)
     return parser
 
 
@@ -157,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             from wcache.bench import run_bench
 
             return run_bench(args)
+        if args.command == "wait":
+            from wcache.wait import run_wait
+
+            return run_wait(args)
     except UserError as e:
         log.error("%s", e)
         return 2

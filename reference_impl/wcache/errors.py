@@ -101,6 +101,14 @@ class SeedConfigError(UserError):
     PORT_IN_USE = "Cannot listen for seeding on {address}: {error}"
 
 
+class WaitError(UserError):
+    """`wcache wait` (wait.py): what it was still waiting for when it gave up."""
+    TIMEOUT = "Not ready after {timeout:g}s: still waiting for {what}"
+    EXITED = "Process {pid} exited before it was ready: still waiting for {what}"
+    NOTHING = "wcache wait needs something to wait for: --health URL or --log FILE"
+    BAD_TIMEOUT = "--timeout must be a positive number of seconds, got {timeout:g}"
+
+
 # Why pulling the autotune cache from a seed daemon failed; each is logged, then the daemon tunes
 # locally (SEED_FALLBACK).
 SEED_REASONS = {
@@ -178,3 +186,32 @@ class CacheUnusable(Exception):
         self.kind = kind
         self.fields = fields
         super().__init__(REASONS[kind].format(**fields))
+
+
+class UnsupportedCheckpointError(UserError):
+    """config.json asks for a model that the engine would compute differently from transformers'
+    LlamaForCausalLM: refused at start with the field named, never served silently wrong."""
+
+    TEMPLATE = "Unsupported checkpoint {path}: {field} is {value}; {why}"
+    # Why each field (or kind of value) is refused; docs/configuration.md's table is generated from it.
+    WHY = {
+        "architectures": "wcache serves LlamaForCausalLM only",
+        "model_type": "wcache serves model_type llama only",
+        "attention_bias": "wcache's attention projections have no bias",
+        "mlp_bias": "wcache's MLP projections have no bias",
+        "sliding_window": "wcache computes full causal attention, not a sliding window",
+        "hidden_act": "wcache's MLP computes silu only",
+        "rope_type": "wcache computes the default, linear and llama3 RoPE types only",
+        "rope_field": "the {rope_type} RoPE type needs {needs}",
+        "partial_rotary_factor": "wcache rotates every dimension of a head",
+        "rope_nested": "wcache computes one RoPE for every layer",
+        "dtype": "wcache computes in bfloat16, float16 or float32: choose one with --dtype",
+        "vocab_size": "the byte-level tokenizer needs at least {min} token ids",
+        "head_dim": "RoPE rotates pairs of dimensions, so head_dim must be even",
+        "num_key_value_heads": "num_attention_heads must be a multiple of it",
+        "required": "config.json must give it as a positive integer",
+    }
+
+    def __init__(self, path, field: str, value: str, why: str, **fields):
+        super().__init__(self.TEMPLATE.format(path=path, field=field, value=value,
+                                              why=self.WHY[why].format(**fields)))
