@@ -10,8 +10,8 @@ A page marks a region it does not write by hand with two HTML comments (invisibl
 ``python tools/doc_tables.py --check`` exits 1 naming each stale one. ``tests/docs/test_tables.py``
 runs the check, so a table can only change together with the code or the JSON it comes from.
 
-Generators: ``preload-flags`` (every option of ``wcache preload``, from ``wcache.cli.build_parser()``)
-and the benchmark tables of ``tools/plot_bench.py``.
+Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
+serve``, from ``wcache.cli.build_parser()``) and the benchmark tables of ``tools/plot_bench.py``.
 """
 
 from __future__ import annotations
@@ -45,17 +45,27 @@ REQUIRED = "required"
 _CODE = re.compile(r"(\$[A-Z_][A-Z0-9_]*(?:/[\w<>.-]+)?|(?<![\w`])--[a-z][\w-]*|\{\"[^}]*\})")
 
 
-def preload_parser() -> argparse.ArgumentParser:
+def command_parser(command: str) -> argparse.ArgumentParser:
+    """The argparse parser of one ``wcache`` subcommand (``preload``, ``serve``)."""
     from wcache.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["preload"]
+    return sub.choices[command]
+
+
+def preload_parser() -> argparse.ArgumentParser:
+    return command_parser("preload")
+
+
+def command_actions(command: str) -> list[argparse.Action]:
+    """Every option of ``wcache COMMAND`` except --help, in the order argparse lists them."""
+    return [a for a in command_parser(command)._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
 
 
 def preload_actions() -> list[argparse.Action]:
-    """Every option of ``wcache preload`` except --help, in the order argparse lists them."""
-    return [a for a in preload_parser()._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    return command_actions("preload")
 
 
 def option_names(action: argparse.Action) -> list[str]:
@@ -91,12 +101,13 @@ def unformat_help(cell: str) -> str:
     return cell.replace("`", "").replace("\\|", "|")
 
 
-def preload_flags() -> str:
+def flags_table(command: str) -> str:
     """One table per argparse group: flag, value, default, description (the help text)."""
-    parser = preload_parser()
+    parser = command_parser(command)
     out: list[str] = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
+        # Positionals (serve's model directory) are in the page's usage line, not a flag table.
+        actions = [a for a in group._group_actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
         if not actions:
             continue
         title = GROUP_TITLES.get(group.title, (group.title or "").capitalize())
@@ -109,8 +120,17 @@ def preload_flags() -> str:
     return "\n".join(out)
 
 
+def preload_flags() -> str:
+    return flags_table("preload")
+
+
+def serve_flags() -> str:
+    return flags_table("serve")
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "preload-flags": preload_flags,
+    "serve-flags": serve_flags,
     "bench-table": plot_bench.bench_table,
     "bench-phases": plot_bench.phases_table,
     "bench-targets": plot_bench.targets_table,

@@ -129,10 +129,10 @@ def default_of_cell(cell: str, action: argparse.Action):
     return spans[0]
 
 
-def compare_flags(text: str) -> list[str]:
+def compare_flags(text: str, command: str = "preload") -> list[str]:
     problems = []
     rows = flag_rows(text)
-    actions = doc_tables.preload_actions()
+    actions = doc_tables.command_actions(command)
     for a in actions:
         names = frozenset(a.option_strings)
         if names not in rows:
@@ -146,7 +146,7 @@ def compare_flags(text: str) -> list[str]:
             problems.append(f"{'/'.join(a.option_strings)}: the table says default {cell!r}, argparse has {a.default!r}")
         if doc_tables.unformat_help(help_cell) != (a.help or ""):
             problems.append(f"{'/'.join(a.option_strings)}: description {help_cell!r} is not the help {a.help!r}")
-    problems += [f"not an option of wcache preload: {'/'.join(sorted(n))}" for n in rows]
+    problems += [f"not an option of wcache {command}: {'/'.join(sorted(n))}" for n in rows]
     return problems
 
 
@@ -154,6 +154,19 @@ def test_daemon_flag_table_is_every_preload_option_with_its_default():
     problems = compare_flags(page("configuration.md"))
     assert not problems, "\n".join(problems) + "\nregenerate: python tools/doc_tables.py"
     assert len(flag_rows(page("configuration.md"))) == len(doc_tables.preload_actions()) > 20
+
+
+def test_serve_reference_is_every_serve_option_with_its_default():
+    text = page("serve-reference.md")
+    problems = compare_flags(text, "serve")
+    assert not problems, "\n".join(problems) + "\nregenerate: python tools/doc_tables.py"
+    assert len(flag_rows(text)) == len(doc_tables.command_actions("serve")) > 15
+    # The serve-only flags are there, and no daemon flag leaked in.
+    rows = {n for names in flag_rows(text) for n in names}
+    assert {"--port", "--model-loader-extra-config", "--gpu-memory-utilization"} <= rows
+    assert not any(n.startswith("--weight-cache-") for n in rows)
+    bad = text.replace("| `--port` | `PORT` | `8000` |", "| `--port` | `PORT` | `8080` |")
+    assert "--port: the table says default '`8080`'" in "\n".join(compare_flags(bad, "serve"))
 
 
 def test_the_flag_check_catches_a_wrong_default_a_missing_and_an_extra_flag():
@@ -202,7 +215,7 @@ def test_cache_key_table_lists_every_key_field():
 def package_env_vars() -> set[str]:
     """WCACHE_* names the package reads (internal process specs excluded)."""
     names = set()
-    for f in PACKAGE.glob("*.py"):
+    for f in PACKAGE.rglob("*.py"):  # the package has subpackages
         names |= set(re.findall(r"[\"'](WCACHE_[A-Z_]+)[\"']", f.read_text(encoding="utf-8")))
     return {n for n in names if not n.endswith("_SPEC")}
 
@@ -350,7 +363,7 @@ def templates() -> tuple[Template, ...]:
     """Every message-like string of the package: constants (not docstrings) and f-strings, plus
     each template with a ``{reason}`` combined with every REASONS text."""
     found: list[Template] = []
-    for f in sorted(PACKAGE.glob("*.py")):
+    for f in sorted(PACKAGE.rglob("*.py")):  # subpackages included
         tree = ast.parse(f.read_text(encoding="utf-8"))
         parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
         for node in ast.walk(tree):
