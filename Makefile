@@ -6,8 +6,13 @@ PIP := $(PY) -m pip
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 MARKDOWNLINT := npx -y markdownlint-cli2@0.22.0
+# mkdocs-material renders ```mermaid blocks but fetches mermaid.js from a CDN unless the page already
+# loaded it; the site serves this pinned copy instead (mkdocs.yml extra_javascript), so diagrams
+# render offline (CI's browser tier has no internet). Fetched with npm, not committed (2.7 MB).
+MERMAID_VERSION := 11.12.0
+MERMAID_JS := docs/javascripts/mermaid.min.js
 
-.PHONY: demo test test-fast test-gpu lint docs clean venv dev
+.PHONY: demo test test-fast test-gpu lint docs docs-assets browser-deps clean venv dev
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,15 +28,31 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 venv: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
+# Re-fetched when the pin changes: the version is recorded beside the file.
+$(MERMAID_JS): Makefile
+	mkdir -p $(@D)
+	tmp=$$(mktemp -d) && cd $$tmp && npm pack -q mermaid@$(MERMAID_VERSION) >/dev/null \
+	  && tar -xzf mermaid-$(MERMAID_VERSION).tgz package/dist/mermaid.min.js \
+	  && cp package/dist/mermaid.min.js $(CURDIR)/$@ && rm -rf $$tmp
+	echo $(MERMAID_VERSION) > $(@D)/mermaid.version
+
+docs-assets: $(MERMAID_JS)
+
+# The browser tier (tests/browser) drives Debian's chromium; on CI (root, fresh machine) install it.
+# Elsewhere the tier skips with a reason when /usr/bin/chromium is missing.
+browser-deps:
+	@if [ "$$CI" = true ] && [ ! -x /usr/bin/chromium ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
+
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py
 
-test: $(VENV)/.dev-installed
+test: $(VENV)/.dev-installed docs-assets browser-deps
 	$(PY) -m pytest tests
 	$(MAKE) lint
 
-test-fast: $(VENV)/.dev-installed
-	$(PY) -m pytest tests -m "not slow and not docker"
+test-fast: $(VENV)/.dev-installed docs-assets
+	$(PY) -m pytest tests -m "not slow and not docker and not browser"
 
 # On any CUDA host: the gpu-marked tests and the guide's GPU-only blocks.
 test-gpu: $(VENV)/.dev-installed
@@ -40,8 +61,8 @@ test-gpu: $(VENV)/.dev-installed
 lint:
 	$(MARKDOWNLINT) "docs/**/*.md" README.md
 
-docs: $(VENV)/.dev-installed
+docs: $(VENV)/.dev-installed docs-assets
 	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) site .pytest_cache $(MERMAID_JS) docs/javascripts/mermaid.version
