@@ -2,7 +2,11 @@
 
 ``GET /health`` is 200 only once weights are bound; ``POST /v1/completions`` takes an OpenAI-style
 body (prompt, max_tokens) and answers greedily. Bad requests get a 4xx with a JSON error and the
-server keeps serving.
+server keeps serving: a body is read only with a valid, bounded Content-Length and within
+BODY_DEADLINE_S in all; every read waits at most READ_TIMEOUT_S; at most MAX_CONNECTIONS are
+served at once (the next one gets a 503 at once); any JSON the parser refuses (a lone surrogate,
+nesting past the stack, an integer past the digit limit) is a 400, and so is every request the
+standard library itself rejects (its HTML error pages are JSON here).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
+import socket
 import signal
 import sys
 import threading
@@ -25,6 +31,10 @@ MAX_BODY_BYTES = 1 << 20
 # An oversize body is read and dropped up to this much before the 413, so that an ordinary client
 # still sending it sees the answer instead of a broken pipe; beyond it the connection is just cut.
 MAX_DISCARD_BYTES = 16 << 20
+READ_TIMEOUT_S = 10.0  # each read of a request line, header or body chunk
+BODY_DEADLINE_S = 30.0  # the whole body
+MAX_CONNECTIONS = 64  # connections served at once (each is a thread)
+_LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit numbers
 
 
 class ApiError(Exception):
@@ -37,13 +47,17 @@ class ApiError(Exception):
 def parse_completion_request(body: bytes, max_model_len: int) -> tuple[str, int]:
     try:
         req = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"Request body is not valid JSON: {e}")
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, an int past the digit limit, deep nesting
+        raise ApiError(400, f"Request body is not valid JSON: {str(e)[:200] or type(e).__name__}")
     if not isinstance(req, dict):
         raise ApiError(400, "Request body must be a JSON object")
     prompt = req.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' is required and must be a non-empty string")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800" is valid JSON but no text
+        raise ApiError(400, "'prompt' contains a lone surrogate: it is not valid Unicode text") from None
     max_tokens = req.get("max_tokens", 16)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise ApiError(400, "'max_tokens' must be an integer")
@@ -70,9 +84,31 @@ class EngineServer(ThreadingHTTPServer):
             if e.errno == errno.EADDRINUSE:
                 raise ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port)) from None
             raise ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e)) from None
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self.serving.start()
+
+    def process_request(self, request, client_address):
+        """A thread per connection, at most MAX_CONNECTIONS: past that, a 503 at once and a close."""
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                body = json.dumps({"error": {"message": BUSY_MESSAGE.format(max=MAX_CONNECTIONS),
+                                             "type": "server_busy", "code": 503}}).encode()
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
@@ -80,9 +116,24 @@ class EngineServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: EngineServer
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S  # StreamRequestHandler sets it on the socket: no read waits longer
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (bad request line, headers too long, a read that
+        timed out) as the same JSON errors as ours, and the connection closed."""
+        self.close_connection = True
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"  # an unparsable request line still gets a status line
+        try:
+            self._error(code, message or self.responses.get(code, ("Error",))[0])
+        except OSError:
+            pass
 
     def log_message(self, fmt, *args):  # route access logs through logging, quietly
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -106,6 +157,30 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _read_body(self, length: int) -> bytes | None:
+        """The body, or None when it is not complete within BODY_DEADLINE_S (or the peer closed)."""
+        deadline = time.monotonic() + BODY_DEADLINE_S
+        parts, got = [], 0
+        try:
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.connection.settimeout(min(left, READ_TIMEOUT_S))
+                chunk = self.rfile.read1(min(length - got, 1 << 16))
+                if not chunk:
+                    return None
+                parts.append(chunk)
+                got += len(chunk)
+        except (TimeoutError, socket.timeout, OSError):
+            return None
+        finally:
+            try:
+                self.connection.settimeout(READ_TIMEOUT_S)
+            except OSError:
+                pass
+        return b"".join(parts)
+
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
 
@@ -124,18 +199,26 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/completions":
             self._error(404, f"No route for POST {self.path}")
             return
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
+        raw = self.headers.get("Content-Length")
+        if raw is None:
             self.close_connection = True
             self._error(411, "A Content-Length header is required")
             return
+        if not _LENGTH.fullmatch(raw.strip()):  # int() would take "-1", "+5", "1_000" and 5000 digits
+            self.close_connection = True
+            self._error(400, f"Content-Length must be a number of bytes, got {raw[:32]!r}")
+            return
+        length = int(raw)
         if length > MAX_BODY_BYTES:
             self.close_connection = True  # the unread body must not be parsed as a next request
             self._discard(min(length, MAX_DISCARD_BYTES))  # so the client is not cut off mid-send
             self._error(413, f"Request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
             return
-        body = self.rfile.read(length)
+        body = self._read_body(length)
+        if body is None:
+            self.close_connection = True
+            self._error(408, f"The request body did not arrive within {BODY_DEADLINE_S:.0f}s")
+            return
         if not self.server.ready:
             self._error(503, "The engine is still loading its weights")
             return
