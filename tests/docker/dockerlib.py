@@ -99,7 +99,7 @@ def run_script(script: str, env: dict, timeout: float = 300, what: str = "script
 
 def logical_line(script: str, startswith: str) -> str:
     """The one logical line (continuations joined) of ``script`` that starts with ``startswith``."""
-    found = [ln.text for ln in blocks.logical_lines(script) if ln.text.lstrip().startswith(startswith)]
+    found = [ln.text for ln in logical_lines(script) if ln.text.lstrip().startswith(startswith)]
     assert len(found) == 1, f"expected one line starting with {startswith!r}, found {found}"
     return found[0].strip()
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from procs import call, child_pids  # noqa: F401  (the fault tests import call from here)
 from wcache.core.device import device_identity
 from wcache.wire.protocol import (
+    MAX_CONTAINERS,
+    MAX_DEPTH,
     MAX_FDS,
     MAX_FRAME_BYTES,
 )
@@ -149,7 +151,7 @@ def exchange(sock: socket.socket, first: bytes, last: bytes = b"", fds=(), timeo
 # -- the frame generator ---------------------------------------------------------------------------
 # The texts a malformed frame may be answered with (wcache.wire.protocol and errors.DAEMON_ERRORS).
 FRAME_ERRORS = ("connection closed after ", "frame of ", "frame is not valid JSON", "frame must be a JSON object",
-                "protocol version ", f"more than {MAX_FDS} file descriptors")
+                "protocol version ", f"more than {MAX_FDS} file descriptors", "frame holds ", "frame nests deeper")
 REQUEST_ERRORS = ("unknown request ", "get_state needs a key object")
 
 
@@ -246,9 +248,13 @@ def terminal(rng: random.Random, max_bytes: int = MAX_FRAME_BYTES, fds_ok: bool 
         obj = {"op": "get_memory"} if rng.random() < 0.1 else {"v": v, "op": "get_memory"}
         return Fuzz("wrong protocol version", frame(_dumps(obj)), "protocol", message="protocol version ")
     if r == 7:
-        d = rng.randint(2000, min(200_000, (max_bytes - 32) // 2))
+        # Past the container bound the bytes are refused unparsed; under it the parser's own
+        # recursion limit or the nesting bound refuses them.
+        d = rng.choice([rng.randint(MAX_DEPTH + 1, 200), rng.randint(2000, min(200_000, (max_bytes - 32) // 2))])
+        expect = ("frame holds " if d + 1 > MAX_CONTAINERS else
+                  "frame is not valid JSON" if d >= 2000 else f"frame nests deeper than {MAX_DEPTH} levels")
         return Fuzz("nesting past the stack", frame(b'{"v":1,"op":' + b"[" * d + b"]" * d + b"}"), "protocol",
-                    message="frame is not valid JSON")
+                    message=expect)
     if r == 8:
         return Fuzz("an integer past the digit limit", frame(b'{"v":1,"op":"get_memory","n":' + b"7" * 5000 + b"}"),
                     "protocol", message="frame is not valid JSON")
