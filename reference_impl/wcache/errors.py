@@ -18,6 +18,10 @@ class PreloadConfigError(UserError):
     pass
 
 
+class ParallelConfigError(UserError):
+    """A parallel layout or speculative config that cannot run (texts in core/ranks.py, core/speculative.py)."""
+
+
 class UnsupportedQuantForIPCError(UserError):
     TEMPLATE = ("UnsupportedQuantForIPCError: quantization method '{method}' does not support pre-processed "
                 "weights, so the weight cache cannot serve it; use --load-format safetensors")
@@ -35,15 +39,20 @@ class UnsupportedPlatformForIPCError(UserError):
 
 class SocketSecurityError(UserError):
     SYMLINK_DIR = "Refusing to use symlinked socket directory {dir}"
+    NOT_A_DIR = "Socket directory {dir} is not a directory"
     NOT_OWNED_DIR = "Socket directory {dir} is not owned by the current user"
     OPEN_DIR = "Socket directory {dir} is group/world accessible"
 
 
 class DaemonLockError(UserError):
     TEMPLATE = "Another weight cache daemon already owns {path}"
+    SYMLINK = "Refusing to use the lock file {path}: it is a symbolic link"
+    CANNOT_OPEN = "Cannot open the lock file {path}: {error}"
+    LIVE_SOCKET = ("A weight cache daemon still serves {path} although its lock file was removed; "
+                   "stop that daemon first (this one leaves its socket alone)")
 
-    def __init__(self, path):
-        super().__init__(self.TEMPLATE.format(path=path))
+    def __init__(self, path, template: str | None = None, **fields):
+        super().__init__((template or self.TEMPLATE).format(path=path, **fields))
 
 
 class WeightCacheTimeoutError(UserError):
@@ -134,6 +143,8 @@ REASONS = {
     "no_socket": "no daemon socket at {path}",
     "refused": "Cannot connect to weight cache daemon at {path}: {error}",
     "unsafe_socket": "Weight cache socket {path} is unavailable: {error}",
+    "untrusted_peer": ("Refusing the weight cache socket {path}: the process listening there (pid {pid}) runs as "
+                       "uid {uid}, but the socket belongs to uid {owner} and this engine trusts only uid {own}"),
     "rejected": "Rejecting weight cache connection from uid {uid}",
     "mismatch": "WeightCacheKey mismatch on fields: {fields}",
     "released": "Weights were released",
@@ -165,6 +176,10 @@ ADOPTED = ("Rank {rank} adopted the arena of a running engine (pid {pid}): {n} t
            "without reading the checkpoint")
 OFFER_SKIPPED = "Rank {rank} did not adopt the arena offered at {offer}: {why}"
 STALE_OFFER = "Removed stale hand-back socket {offer}: no engine listens there"
+ARENA_NOT_RECORDED = "it is not the arena this daemon's cache packed and recorded"
+ARENA_RECORD_UNSAFE = "Hand-back disabled: {dir} is not a private directory of this user"
+ARENA_VERIFIED = ("Rank {rank} checked the handed-back arena against the digest recorded when it was packed: "
+                  "{mib:.1f} MiB in {seconds:.2f} s")
 
 # What a daemon rank answers when it refuses a request ({"ok": false, "error": KIND, "message": ...}),
 # besides the REASONS texts it sends for "rejected", "mismatch" and "released". The last two are
@@ -176,6 +191,8 @@ DAEMON_ERRORS = {
     "release_failed": "release failed: {error}",
     "bad_get_state": "get_state needs a key object and a mode of {modes}",
     "unknown_op": "unknown request {op!r}; expected get_state, get_memory or release",
+    "busy_bytes": "the daemon holds {held} of {limit} bytes of requests in flight; retry shortly",
+    "unread": "this connection has not read the daemon's last answer, which carries a descriptor; closing it",
 }
 
 

@@ -62,8 +62,9 @@ def _memo_path(model_dir: Path) -> Path:
     return cache_root() / "fingerprints" / f"{tag}.json"
 
 
-def checkpoint_digest(model_dir: str | os.PathLike) -> tuple[str, dict]:
-    """Digest over (file name, size, content hash) of every shard, plus stats of how it was made."""
+def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tuple[str, dict]:
+    """Digest over (file name, size, content hash) of every shard, plus stats of how it was made.
+    ``rehash``: hash every file, remembered or not (--weight-cache-rehash)."""
     model_dir = Path(model_dir)
     files = checkpoint.shard_files(model_dir) + [model_dir / "config.json"]
     memo_file = _memo_path(model_dir)
@@ -73,7 +74,7 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> tuple[str, dict]:
         memo = {}
     started = time.time_ns()
     stats = {p.name: os.stat(p) for p in files}
-    fresh = {n for n, st in stats.items() if memo.get(n, {}).get("identity") != _file_identity(st)}
+    fresh = {n for n, st in stats.items() if rehash or memo.get(n, {}).get("identity") != _file_identity(st)}
     hashed = {}
     if fresh:
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:

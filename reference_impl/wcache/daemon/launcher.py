@@ -8,7 +8,6 @@ group down with its exit code; SIGINT/SIGTERM stops every rank, and each removes
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -30,36 +29,6 @@ log = logging.getLogger("wcache.preload")
 
 STARTUP_FAILED = "Weight cache daemon rank(s) exited during startup (exitcodes={codes})"
 READY = "Weight cache daemon READY"
-
-
-def add_preload_args(p) -> None:
-    g = p.add_argument_group("weight cache daemon")
-    g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
-                   help="directory for the daemon sockets; engines must use the same (default: $TMPDIR/wcache_<uid>)")
-    g.add_argument("--weight-cache-health-port", type=int, default=None, metavar="PORT",
-                   help="serve GET /health on this port: 200 once every rank serves, else 503 (default: off)")
-    g.add_argument("--weight-cache-health-host", default="0.0.0.0", metavar="HOST",
-                   help="address for the health endpoint")
-    g.add_argument("--weight-cache-transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
-                   help="how GPU weights are shared: vmm_fd (a CUDA VMM allocation passed as a file descriptor; "
-                        "crosses container namespaces), cuda_ipc (legacy CUDA IPC handle), or auto (vmm_fd when "
-                        "cuda-python's driver bindings are installed); CPU always uses a memfd")
-    g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
-                   help="before loading, take the weights back from a running zero_copy engine whose daemon "
-                        "died (memfd and vmm_fd arenas; see docs/how-it-works.md, Restarts)")
-    from wcache.core.ranks import add_daemon_port_args
-
-    add_daemon_port_args(g)
-    s = p.add_argument_group("autotune seeding (see docs/autotune.md)")
-    s.add_argument("--weight-cache-seed-listen", default=None, metavar="HOST:BASE_PORT",
-                   help="serve this daemon's tuned autotune cache to new replicas; rank g listens on "
-                        "BASE_PORT + g (needs --weight-cache-seed-token)")
-    s.add_argument("--weight-cache-seed-token", default=None, metavar="TOKEN",
-                   help="shared secret of a seed and its replicas, at least 16 characters "
-                        "(default: $WCACHE_SEED_TOKEN)")
-    s.add_argument("--weight-cache-seed", default=None, metavar="HOST:PORT[,...]",
-                   help="pull the autotune cache from a running daemon before tuning: one address per "
-                        "local rank, in local rank order")
 
 
 class Health:
@@ -147,6 +116,7 @@ def run_preload(args) -> int:
     spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
             "transport": args.weight_cache_transport, "adopt": args.weight_cache_adopt,
+            "rehash": getattr(args, "weight_cache_rehash", False),
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],

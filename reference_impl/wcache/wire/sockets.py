@@ -9,6 +9,7 @@ crashed daemon's stale socket is replaced by the next owner of the lock.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -39,6 +40,8 @@ def prepare_socket_dir(explicit: str | os.PathLike | None, create: bool = True) 
     st = os.lstat(d)
     if stat.S_ISLNK(st.st_mode):
         raise SocketSecurityError(SocketSecurityError.SYMLINK_DIR.format(dir=d))
+    if not stat.S_ISDIR(st.st_mode):
+        raise SocketSecurityError(SocketSecurityError.NOT_A_DIR.format(dir=d))
     if st.st_uid != os.getuid():
         raise SocketSecurityError(SocketSecurityError.NOT_OWNED_DIR.format(dir=d))
     if not explicit and st.st_mode & 0o077:
@@ -92,8 +95,10 @@ class DaemonLock:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
         try:
             fd = os.open(self.path, flags, 0o600)
-        except OSError as e:
-            raise DaemonLockError(self.path) from e
+        except OSError as e:  # each cause its own message: none of these is another daemon
+            if e.errno == errno.ELOOP:
+                raise DaemonLockError(self.path, DaemonLockError.SYMLINK) from None
+            raise DaemonLockError(self.path, DaemonLockError.CANNOT_OPEN, error=e.strerror or e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,6 +110,18 @@ class DaemonLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def answers(path: Path, timeout: float = 1.0) -> bool:
+    """Whether a process accepts connections on the Unix socket at ``path`` (a live daemon does;
+    a dead one's socket refuses)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
 
 
 def socket_path_of(lock_path: Path) -> Path:

@@ -1,0 +1,157 @@
+"""Every command-line flag of ``wcache``, in one place: the command modules only read the values.
+
+``serve`` and ``preload`` share the model and parallelism flags (``add_engine_args``) so the daemon
+builds the same engine configuration, and therefore the same cache key, as the engine.
+docs/configuration.md's flag table is generated from these (tools/doc_tables.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from wcache.core.checkpoint import DTYPES, PRESETS
+from wcache.core.config import DTYPE_CHOICES
+from wcache.core.ranks import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+from wcache.engine.memory import parse_bytes
+from wcache.model.quant import METHODS
+
+
+def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weight and compute dtype; auto takes torch_dtype from config.json")
+    p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
+                   help="quantization method; default: the checkpoint's quantization_config, else none")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto picks cuda when available")
+    p.add_argument("--revision", default=None, help="model revision recorded in the cache key")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "ipc_cache"],
+                   help="where weights come from; ipc_cache maps them from the weight cache daemon")
+    add_parallel_args(p)  # tensor/pipeline/data parallel, nodes, speculative draft
+    p.add_argument("--enable-autotune", action=argparse.BooleanOptionalAction, default=True,
+                   help="load the tuned projection kernels from the autotune cache, or tune and save them")
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return v
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parallel_args(p) -> None:
+    """Engine flags shared by ``serve`` and ``preload`` (so both plan the same ranks)."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks: each holds a slice of every layer")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="pipeline stages: each holds a contiguous block of layers")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="data-parallel replicas, each an engine with its own tensor/pipeline ranks")
+    g.add_argument("--data-parallel-size-local", type=int, default=None, metavar="N",
+                   help="data-parallel ranks on this node (default: data-parallel size / nnodes)")
+    g.add_argument("--data-parallel-start-rank", type=int, default=None, metavar="R",
+                   help="first data-parallel rank on this node (default: node rank x size-local)")
+    g.add_argument("--data-parallel-address", default=None, metavar="HOST",
+                   help="rendezvous address when data-parallel ranks span nodes (default: --master-addr)")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes the ranks are spread over")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's index, 0 to nnodes-1")
+    g.add_argument("--master-addr", default=DEFAULT_MASTER_ADDR, metavar="HOST",
+                   help="address of the node that holds global rank 0")
+    g.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="PORT",
+                   help="the engine's rendezvous port (the daemons use --weight-cache-master-port)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. {"method": "eagle", "model": DIR, "num_speculative_tokens": 3}')
+
+
+def add_serve_rank_args(p) -> None:
+    p.add_argument("--data-parallel-rank", "-dpr", type=int, default=None, metavar="R",
+                   help="the data-parallel rank this engine serves (required with --data-parallel-size > 1)")
+
+
+def add_daemon_port_args(g) -> None:
+    g.add_argument("--weight-cache-master-port", type=int, default=None, metavar="PORT",
+                   help="rendezvous port of the daemons' own process group; must differ from the engine's "
+                        "--master-port and match on every node (required when the daemons span nodes; "
+                        "default: a free port)")
+    g.add_argument("--weight-cache-draft-master-port", type=int, default=None, metavar="PORT",
+                   help="rendezvous port of the draft daemon group (default: --weight-cache-master-port + 1 "
+                        "across nodes, else a free port)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (config.json + *.safetensors)")
+    add_engine_args(p)
+    add_serve_rank_args(p)
+    p.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
+                   help="ipc_cache loader settings as a JSON object (see the loader key table)")
+    p.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+                   help="share of the device for weights (the daemon's included), activations and the "
+                        "KV cache (default 0.9)")
+    p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
+                   help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
+                        "e.g. 8GiB (default: the host's physical memory)")
+
+
+def add_preload_args(p) -> None:
+    g = p.add_argument_group("weight cache daemon")
+    g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
+                   help="directory for the daemon sockets; engines must use the same (default: $TMPDIR/wcache_<uid>)")
+    g.add_argument("--weight-cache-health-port", type=int, default=None, metavar="PORT",
+                   help="serve GET /health on this port: 200 once every rank serves, else 503 (default: off)")
+    g.add_argument("--weight-cache-health-host", default="0.0.0.0", metavar="HOST",
+                   help="address for the health endpoint")
+    g.add_argument("--weight-cache-transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
+                   help="how GPU weights are shared: vmm_fd (a CUDA VMM allocation passed as a file descriptor; "
+                        "crosses container namespaces), cuda_ipc (legacy CUDA IPC handle), or auto (vmm_fd when "
+                        "cuda-python's driver bindings are installed); CPU always uses a memfd")
+    g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
+                   help="before loading, take the weights back from a running zero_copy engine whose daemon "
+                        "died (memfd and vmm_fd arenas; see docs/how-it-works.md, Restarts)")
+    g.add_argument("--weight-cache-rehash", default=False, action="store_true",
+                   help="hash every checkpoint file on this start instead of reusing the digests remembered "
+                        "by file identity (a write through a shared mapping can leave ctime and mtime unchanged)")
+    add_daemon_port_args(g)
+    s = p.add_argument_group("autotune seeding (see docs/autotune.md)")
+    s.add_argument("--weight-cache-seed-listen", default=None, metavar="HOST:BASE_PORT",
+                   help="serve this daemon's tuned autotune cache to new replicas; rank g listens on "
+                        "BASE_PORT + g (needs --weight-cache-seed-token)")
+    s.add_argument("--weight-cache-seed-token", default=None, metavar="TOKEN",
+                   help="shared secret of a seed and its replicas, at least 16 characters "
+                        "(default: $WCACHE_SEED_TOKEN)")
+    s.add_argument("--weight-cache-seed", default=None, metavar="HOST:PORT[,...]",
+                   help="pull the autotune cache from a running daemon before tuning: one address per "
+                        "local rank, in local rank order")
+
+
+def add_bench_args(p) -> None:
+    p.add_argument("--model", required=True, help="model directory to time")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
+                   help="the daemon's --weight-cache-transport (CUDA only)")
+    p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    p.add_argument("--output", default=None, help="also write the JSON result to this file")
