@@ -13,10 +13,11 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))  # tools.docs_runner
 sys.path.insert(0, str(ROOT / "tests"))
 
-import blocks  # noqa: E402  (the docs runner: its substitutions and logical-line parser)
+from tools.docs_runner.shell import logical_lines  # noqa: E402  (the docs runner reads bash as CI runs it)
+from tools.docs_runner.substitutions import apply_substitutions, load_substitutions  # noqa: E402
 from procs import free_port, http  # noqa: E402,F401
 
 IMAGE = "wcache:dockertest"
@@ -31,7 +32,7 @@ class SetupError(Exception):
 
 def example(name: str) -> str:
     """An example file as CI runs it: with tools/substitutions.yaml applied (the GPU-only lines)."""
-    return blocks.apply_substitutions((EXAMPLES / name).read_text(), blocks.load_substitutions())
+    return apply_substitutions((EXAMPLES / name).read_text(), load_substitutions())
 
 
 def unique(prefix: str = "wct") -> str:

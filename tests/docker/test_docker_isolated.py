@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import subprocess
 
-import blocks
 import pytest
 import yaml
 from dockerlib import (compose_command, docker, example, free_port, healthy, inspect, logical_line, logs, mapped_line,
                        remove, run_script, unique, variant, wait_log_count, wait_until)
+from tools.docs_runner.shell import logical_lines
 from procs import complete
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -81,7 +81,7 @@ def test_docker_run_pair_maps_across_namespaces_and_again_after_a_restart(docker
     env = {"MODEL_DIR": str(docker_model), "IMAGE": docker_image, "PORT": str(free_port()),
            "HEALTH_PORT": str(free_port()), "NAME": name}
     script = example("docker-run-isolated.sh")
-    runs = [ln.text for ln in blocks.logical_lines(script) if ln.text.lstrip().startswith("docker run")]
+    runs = [ln.text for ln in logical_lines(script) if ln.text.lstrip().startswith("docker run")]
     assert len(runs) == 2 and not [r for r in runs if "--gpus" in r or "--ipc" in r or "--pid" in r or "shm" in r]
     daemon, engine, other = f"{name}-daemon", f"{name}-engine", f"{name}-engine-netns"
     port = int(env["PORT"])

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dockerlib import ROOT, mapped_line
-
-import blocks
+from tools.docs_runner.handlers.validate import validate_k8s
 
 POD = ROOT / "examples" / "k8s-pod.yaml"
 HARNESS = ROOT / "tools" / "k8s_probe.py"
@@ -39,11 +38,11 @@ def script(doc: dict) -> str:
 
 def test_pod_spec_is_strictly_valid():
     doc = pod()
-    assert blocks.validate_k8s(doc) == []
+    assert validate_k8s(doc) == []
     # Strict means strict: a misspelt field is an error, not silently ignored.
     bad = copy.deepcopy(doc)
     bad["spec"]["containers"][0]["livenessProbes"] = bad["spec"]["containers"][0].pop("livenessProbe")
-    assert any("livenessProbes" in e for e in blocks.validate_k8s(bad))
+    assert any("livenessProbes" in e for e in validate_k8s(bad))
 
 
 def test_probes_check_the_ports_the_processes_listen_on():

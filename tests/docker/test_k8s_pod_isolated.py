@@ -66,7 +66,7 @@ def test_isolated_pod_is_strictly_valid(version):
 
 
 def test_the_guides_runner_version_cannot_validate_it():
-    # Why docs/kubernetes.md marks this file instead of letting tools/blocks.py validate it: the
+    # Why docs/kubernetes.md marks this file instead of letting tools/docs_runner validate it: the
     # runner's schemas are Kubernetes 1.30, which has no resource.k8s.io/v1 and another Pod claim shape.
     d = docs()
     assert errors_of(d["ResourceClaimTemplate"], "1.30.0") and errors_of(d["Pod"], "1.30.0")

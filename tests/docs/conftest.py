@@ -1,22 +1,25 @@
-"""Docs tests: the block runner lives in tools/blocks.py, imported from tools/ (not a package)."""
+"""Docs tests: the block runner is the package tools/docs_runner (imported from the repository root);
+test_tables imports tools/doc_tables.py and tools/plot_bench.py as top-level modules."""
 
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
+for p in (ROOT, ROOT / "tools"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
 
-import blocks  # after the sys.path insert
+from tools.docs_runner import coverage  # noqa: E402  (after the sys.path insert)
+from tools.docs_runner.substitutions import load_substitutions  # noqa: E402
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Print the guide's block coverage (run / validated / skipped by reason / unmarked) and the
     substitutions list at the end of any session that ran the docs tests."""
-    if not blocks.SESSION.used:
+    if not coverage.SESSION.used:
         return
-    all_blocks, errors = blocks.all_blocks()
+    blocks, errors = coverage.all_blocks()
     terminalreporter.write_sep("-", "wcache guide: block coverage")
-    summary = blocks.format_summary(all_blocks, blocks.SESSION, blocks.load_substitutions(), errors)
+    summary = coverage.format_summary(blocks, coverage.SESSION, load_substitutions(), errors)
     for line in summary.splitlines():
         terminalreporter.write_line(line)

@@ -1,65 +1,71 @@
-"""Run every page of the guide (one test per page, its blocks in order) and check coverage.
+"""Run every page of the guide, one test per page (its blocks in order), and check coverage.
 
-`python tools/blocks.py run PAGE` runs this module for chosen pages (WCACHE_DOCS_PAGES).
+`python -m tools.docs_runner run PAGE...` runs this module for chosen pages (WCACHE_DOCS_PAGES).
 """
 
 import os
 import shutil
 from pathlib import Path
 
-import blocks
 import pytest
+from tools.docs_runner import coverage
+from tools.docs_runner.markers import MarkerError
+from tools.docs_runner.page import run_page
+from tools.docs_runner.parse import display, doc_pages, extract_blocks
+from tools.docs_runner.substitutions import load_substitutions
 
 
 def _pages() -> list[Path]:
     chosen = os.environ.get("WCACHE_DOCS_PAGES")
     if chosen:
         return [Path(p) for p in chosen.split(os.pathsep) if p]
-    return blocks.doc_pages()
+    return doc_pages()
+
+
+def _has_gpu_only_blocks(page: Path) -> bool:
+    try:
+        return any(coverage.is_gpu_only(b) for b in extract_blocks(page))
+    except MarkerError:
+        return False  # test_page reports it
 
 
 PAGES = _pages()
-GPU_PAGES = [p for p in PAGES if blocks.has_gpu_only_blocks(p)]
+GPU_PAGES = [p for p in PAGES if _has_gpu_only_blocks(p)]
 
 
-def _id(page: Path) -> str:
-    return blocks._display(page, blocks.ROOT)
+@pytest.mark.parametrize("page", PAGES, ids=[display(p) for p in PAGES])
+def test_page(page: Path) -> None:
+    coverage.SESSION.used = True
+    run_page(page, recorder=coverage.SESSION)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[_id(p) for p in PAGES])
-def test_page(page: Path, request: pytest.FixtureRequest) -> None:
-    blocks.SESSION.used = True
-    blocks.run_page(page, request=request, recorder=blocks.SESSION)
-
-
-_GPU_PARAMS = [pytest.param(p, id=_id(p)) for p in GPU_PAGES] or [
+_GPU_PARAMS = [pytest.param(p, id=display(p)) for p in GPU_PAGES] or [
     pytest.param(None, id="none", marks=pytest.mark.skip(reason="no page has GPU-only blocks"))
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", _GPU_PARAMS)
-def test_page_on_gpu(page: Path, request: pytest.FixtureRequest) -> None:
+def test_page_on_gpu(page: Path) -> None:
     """On a CUDA host (`make test-gpu`): the page again, GPU-only blocks included, unsubstituted."""
-    if not os.environ.get(blocks.GPU_ENV) or shutil.which("nvidia-smi") is None:
-        pytest.skip(f"GPU-only blocks run on a CUDA host with {blocks.GPU_ENV}=1")
-    blocks.SESSION.used = True
-    blocks.run_page(page, request=request, recorder=blocks.SESSION, gpu=True)
+    if not os.environ.get(coverage.GPU_ENV) or shutil.which("nvidia-smi") is None:
+        pytest.skip(f"GPU-only blocks run on a CUDA host with {coverage.GPU_ENV}=1")
+    coverage.SESSION.used = True
+    run_page(page, recorder=coverage.SESSION, gpu=True)
 
 
 def test_coverage() -> None:
     """Every block is run, validated, or marked with a reason; every marker is well formed."""
-    blocks.SESSION.used = True
-    all_blocks, errors = blocks.all_blocks()
-    summary = blocks.format_summary(all_blocks, None, blocks.load_substitutions(), errors)
+    coverage.SESSION.used = True
+    blocks, errors = coverage.all_blocks()
+    summary = coverage.format_summary(blocks, None, load_substitutions(), errors)
     print(summary)
-    unmarked = blocks.coverage(all_blocks)["unmarked"]
     problems = [f"marker/fence error: {e}" for e in errors]
     problems += [
         f"unmarked block: {u} - run it, validate it, or mark it"
         ' (<!-- block: skip reason="..." --> / illustration / expect-output)'
-        for u in unmarked
+        for u in coverage.coverage(blocks)["unmarked"]
     ]
     if problems:
         pytest.fail("\n".join(problems) + "\n\n" + summary, pytrace=False)
-    assert all_blocks, "no fenced blocks found in docs/ at all"
+    assert blocks, "no fenced blocks found in docs/ at all"

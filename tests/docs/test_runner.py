@@ -1,12 +1,13 @@
-"""Tests of the block runner itself (tools/blocks.py), on tiny markdown pages written to tmp_path.
+"""Tests of the block runner itself (tools/docs_runner), on tiny markdown pages written to tmp_path.
 
 Everything here is real: bash runs, processes start and are killed, schemas validate. A stand-in
-`wcache` script (a few lines of Python) exercises the preload/serve readiness waits without
-depending on the real package; one smoke test uses the real `wcache` when it is installed.
+`wcache` script (a few lines of Python) plays preload/serve so that the real `wcache wait` can wait
+for it as the guide's pages do; one smoke test uses the real `wcache` when it is installed.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -15,10 +16,15 @@ import textwrap
 import time
 from pathlib import Path
 
-import blocks
 import pytest
-
-ROOT = blocks.ROOT
+from tools.docs_runner import ROOT
+from tools.docs_runner.coverage import Recorder, coverage, disposition, format_summary
+from tools.docs_runner.markers import MarkerError
+from tools.docs_runner.page import BlockFailure, PageRunner, run_page
+from tools.docs_runner.parse import extract_blocks
+from tools.docs_runner.processes import alive
+from tools.docs_runner.shell import background_logs, foreground_servers, logical_lines
+from tools.docs_runner.substitutions import load_substitutions
 
 
 def write_page(tmp_path: Path, text: str, name: str = "page.md") -> Path:
@@ -27,11 +33,9 @@ def write_page(tmp_path: Path, text: str, name: str = "page.md") -> Path:
     return page
 
 
-def run(tmp_path: Path, request: pytest.FixtureRequest, text: str, **kwargs) -> blocks.PageRunner:
+def run(tmp_path: Path, text: str, **kwargs) -> PageRunner:
     """Run a page through PageRunner (BlockFailure propagates); fast teardown grace."""
-    runner = blocks.PageRunner(
-        write_page(tmp_path, text), request=request, root=tmp_path, grace=3.0, **kwargs
-    )
+    runner = PageRunner(write_page(tmp_path, text), root=tmp_path, grace=3.0, **kwargs)
     runner.run()
     return runner
 
@@ -40,11 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    st = blocks._proc_stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
 
 
 # --- extraction and markers ------------------------------------------------------------------
@@ -79,17 +78,36 @@ def test_extracts_fences_at_any_indent_with_markers(tmp_path: Path) -> None:
         not a block of its own
         ```
         ````
+
+        === "Terminal 1"
+
+            Text in a tab, then a marked fence after a blank line.
+
+            <!-- block: skip reason="in a second tab" -->
+
+            ```bash
+            echo tab
+            ```
+
+        1. A step:
+
+            ```bash
+            echo step
+            ```
         """,
     )
-    found = blocks.extract_blocks(page, tmp_path)
-    assert [(b.line, b.lang) for b in found] == [(4, "bash"), (11, "text"), (17, "python"), (21, "markdown")]
+    found = extract_blocks(page, tmp_path)
+    assert [(b.line, b.lang) for b in found] == [
+        (4, "bash"), (11, "text"), (17, "python"), (21, "markdown"), (33, "bash"), (39, "bash")]
     assert found[0].marker.reason == "GPU-only: needs a CUDA device"
     assert found[1].marker.has("expect-output") and found[1].body == "hello\n"
     assert found[2].body == "print(1)\n"
     assert "not a block of its own" in found[3].body
-    assert blocks.disposition(found[0], gpu=False) == ("skipped", "GPU-only: needs a CUDA device")
-    assert blocks.disposition(found[0], gpu=True) == ("run", "bash")
-    assert blocks.disposition(found[3])[0] == "unmarked"
+    assert found[4].marker.reason == "in a second tab" and found[4].body == "echo tab\n"
+    assert found[5].marker is None and found[5].body == "echo step\n"
+    assert disposition(found[0], gpu=False) == ("skipped", "GPU-only: needs a CUDA device")
+    assert disposition(found[0], gpu=True) == ("run", "bash")
+    assert disposition(found[3])[0] == "unmarked"
 
 
 @pytest.mark.parametrize(
@@ -106,8 +124,8 @@ def test_extracts_fences_at_any_indent_with_markers(tmp_path: Path) -> None:
 )
 def test_bad_markers_are_rejected(tmp_path: Path, marker: str, message: str) -> None:
     page = write_page(tmp_path, f"# P\n\n{marker}\n```bash\necho hi\n```\n")
-    with pytest.raises(blocks.MarkerError, match=message):
-        blocks.extract_blocks(page, tmp_path)
+    with pytest.raises(MarkerError, match=message):
+        extract_blocks(page, tmp_path)
 
 
 def test_indented_code_is_rejected_but_admonition_bodies_are_not(tmp_path: Path) -> None:
@@ -139,25 +157,28 @@ def test_indented_code_is_rejected_but_admonition_bodies_are_not(tmp_path: Path)
             - nested item
         """,
     )
-    assert len(blocks.extract_blocks(ok, tmp_path)) == 1
+    assert len(extract_blocks(ok, tmp_path)) == 1
     bad = write_page(tmp_path, "# P\n\nParagraph.\n\n    indented code\n", name="bad.md")
-    with pytest.raises(blocks.MarkerError, match="bad.md:5: indented code block"):
-        blocks.extract_blocks(bad, tmp_path)
+    with pytest.raises(MarkerError, match="bad.md:5: indented code block"):
+        extract_blocks(bad, tmp_path)
 
 
-def test_orphan_marker_is_rejected(tmp_path: Path) -> None:
+def test_orphan_marker_and_unclosed_fence_are_rejected(tmp_path: Path) -> None:
     page = write_page(tmp_path, '# P\n\n<!-- block: skip reason="x" -->\n\nSome text.\n')
-    with pytest.raises(blocks.MarkerError, match="not followed by a fenced block"):
-        blocks.extract_blocks(page, tmp_path)
+    with pytest.raises(MarkerError, match="not followed by a fenced block"):
+        extract_blocks(page, tmp_path)
+    page = write_page(tmp_path, "# P\n\n```bash\necho hi\n", name="open.md")
+    with pytest.raises(MarkerError, match="open.md:3: fence ``` is never closed"):
+        extract_blocks(page, tmp_path)
 
 
-def test_skip_without_reason_fails_the_page_test(tmp_path: Path, request) -> None:
+def test_skip_without_reason_fails_the_page_test(tmp_path: Path) -> None:
     page = write_page(tmp_path, "# P\n\n<!-- block: skip -->\n```bash\necho hi\n```\n")
     with pytest.raises(pytest.fail.Exception, match="needs a non-empty reason"):
-        blocks.run_page(page, request=request, root=tmp_path)
+        run_page(page, root=tmp_path)
 
 
-def test_unmarked_console_block_is_counted_unmarked(tmp_path: Path, request) -> None:
+def test_unmarked_console_block_is_counted_unmarked(tmp_path: Path) -> None:
     text = """
     # P
 
@@ -174,19 +195,19 @@ def test_unmarked_console_block_is_counted_unmarked(tmp_path: Path, request) -> 
     anything
     ```
     """
-    recorder = blocks.Recorder()
-    run(tmp_path, request, text, recorder=recorder)
+    recorder = Recorder()
+    run(tmp_path, text, recorder=recorder)
     assert [r.kind for r in recorder.results] == ["run", "unmarked", "skipped"]
-    cov = blocks.coverage(blocks.extract_blocks(tmp_path / "page.md", tmp_path))
+    cov = coverage(extract_blocks(tmp_path / "page.md", tmp_path))
     assert cov["unmarked"] == ["page.md:7 (console block without a marker)"]
     assert cov["skipped_reasons"] == {"illustration: what a log looks like": 1}
-    assert "unmarked 1" in blocks.format_summary(blocks.extract_blocks(tmp_path / "page.md", tmp_path))
+    assert "unmarked 1" in format_summary(extract_blocks(tmp_path / "page.md", tmp_path))
 
 
 # --- bash --------------------------------------------------------------------------------------
 
 
-def test_bash_blocks_share_state_in_order(tmp_path: Path, request) -> None:
+def test_bash_blocks_share_state_in_order(tmp_path: Path) -> None:
     text = f"""
     # P
 
@@ -209,14 +230,14 @@ def test_bash_blocks_share_state_in_order(tmp_path: Path, request) -> None:
     import os
     import tempfile
 
-    print(os.path.basename(os.getcwd()), tempfile.gettempdir() == os.environ["TMPDIR"])
-    #> sub True
+    print(os.path.basename(os.getcwd()), tempfile.gettempdir() == os.environ["TMPDIR"], os.environ["GREETING"])
+    #> sub True hello
     ```
     """
-    run(tmp_path, request, text)
+    run(tmp_path, text)
 
 
-def test_gpu_only_blocks_run_in_gpu_mode(tmp_path: Path, request) -> None:
+def test_gpu_only_blocks_run_in_gpu_mode(tmp_path: Path) -> None:
     text = f"""
     # P
 
@@ -225,13 +246,13 @@ def test_gpu_only_blocks_run_in_gpu_mode(tmp_path: Path, request) -> None:
     echo wcache serve ./m --device cuda > {tmp_path}/ran
     ```
     """
-    run(tmp_path, request, text, gpu=False)
+    run(tmp_path, text, gpu=False)
     assert not (tmp_path / "ran").exists()
-    run(tmp_path, request, text, gpu=True)
+    run(tmp_path, text, gpu=True)
     assert (tmp_path / "ran").read_text() == "wcache serve ./m --device cuda\n"  # no substitution
 
 
-def test_failing_bash_block_fails(tmp_path: Path, request) -> None:
+def test_failing_bash_block_fails(tmp_path: Path) -> None:
     text = """
     # P
 
@@ -241,14 +262,14 @@ def test_failing_bash_block_fails(tmp_path: Path, request) -> None:
     echo after
     ```
     """
-    with pytest.raises(blocks.BlockFailure, match=r"page.md:3 \(bash block\): exited 1") as e:
-        run(tmp_path, request, text)
+    with pytest.raises(BlockFailure, match=r"page.md:3 \(bash block\): exited 1") as e:
+        run(tmp_path, text)
     assert "before" in str(e.value) and "after" not in str(e.value)
 
 
-def test_pipefail_and_expect_fail(tmp_path: Path, request) -> None:
-    with pytest.raises(blocks.BlockFailure, match="exited 1"):
-        run(tmp_path, request, "# P\n\n```bash\nfalse | true\n```\n")
+def test_pipefail_and_expect_fail(tmp_path: Path) -> None:
+    with pytest.raises(BlockFailure, match="exited 1"):
+        run(tmp_path, "# P\n\n```bash\nfalse | true\n```\n")
     text = """
     # P
 
@@ -263,18 +284,18 @@ def test_pipefail_and_expect_fail(tmp_path: Path, request) -> None:
     Error: no such model
     ```
     """
-    run(tmp_path, request, text)
-    with pytest.raises(blocks.BlockFailure, match="marked expect-fail but exited 0"):
-        run(tmp_path, request, "# P\n\n<!-- block: expect-fail -->\n```bash\ntrue\n```\n")
+    run(tmp_path, text)
+    with pytest.raises(BlockFailure, match="marked expect-fail but exited 0"):
+        run(tmp_path, "# P\n\n<!-- block: expect-fail -->\n```bash\ntrue\n```\n")
 
 
-def test_failure_through_pytest_is_a_plain_fail(tmp_path: Path, request) -> None:
+def test_failure_through_pytest_is_a_plain_fail(tmp_path: Path) -> None:
     page = write_page(tmp_path, "# P\n\n```bash\nexit 7\n```\n")
     with pytest.raises(pytest.fail.Exception, match="exited 7"):
-        blocks.run_page(page, request=request, root=tmp_path)
+        run_page(page, root=tmp_path)
 
 
-def test_expect_output_in_order_with_log_prefixes(tmp_path: Path, request) -> None:
+def test_expect_output_in_order_with_log_prefixes(tmp_path: Path) -> None:
     good = """
     # P
 
@@ -292,25 +313,21 @@ def test_expect_output_in_order_with_log_prefixes(tmp_path: Path, request) -> No
     done
     ```
     """
-    run(tmp_path, request, good)
+    run(tmp_path, good)
     wrong_order = good.replace("    second line\n\n    done", "    done\n    second line")
-    with pytest.raises(blocks.BlockFailure, match="expected line not found .*'second line'"):
-        run(tmp_path, request, wrong_order)
+    with pytest.raises(BlockFailure, match="expected line not found .*'second line'"):
+        run(tmp_path, wrong_order)
     # A prefix is only tolerated when it looks like a log prefix, not arbitrary text.
-    with pytest.raises(blocks.BlockFailure, match="expected line not found"):
-        run(
-            tmp_path,
-            request,
-            "# P\n\n```bash\necho 'not done'\n```\n\n<!-- block: expect-output -->\n```text\ndone\n```\n",
-        )
+    with pytest.raises(BlockFailure, match="expected line not found"):
+        run(tmp_path, "# P\n\n```bash\necho 'not done'\n```\n\n<!-- block: expect-output -->\n```text\ndone\n```\n")
 
 
-def test_expect_output_needs_a_previous_bash_block(tmp_path: Path, request) -> None:
-    with pytest.raises(blocks.BlockFailure, match="no bash block ran before it"):
-        run(tmp_path, request, "# P\n\n<!-- block: expect-output -->\n```text\nx\n```\n")
+def test_expect_output_needs_a_previous_bash_block(tmp_path: Path) -> None:
+    with pytest.raises(BlockFailure, match="no bash block ran before it"):
+        run(tmp_path, "# P\n\n<!-- block: expect-output -->\n```text\nx\n```\n")
 
 
-def test_substitutions_are_applied(tmp_path: Path, request) -> None:
+def test_substitutions_are_applied_and_counted(tmp_path: Path) -> None:
     text = """
     # P
 
@@ -323,12 +340,14 @@ def test_substitutions_are_applied(tmp_path: Path, request) -> None:
     wcache serve ./m --device cpu
     ```
     """
-    recorder = blocks.Recorder()
-    run(tmp_path, request, text, recorder=recorder, substitutions=blocks.load_substitutions())
+    recorder = Recorder()
+    subs = load_substitutions()
+    run(tmp_path, text, recorder=recorder, substitutions=subs)
     assert sum(recorder.substitutions_applied.values()) == 2
+    assert "'--device cuda' -> '--device cpu' (applied 1x)" in format_summary([], recorder, subs)
 
 
-def test_background_process_is_killed_at_teardown(tmp_path: Path, request) -> None:
+def test_background_jobs_are_stopped_at_the_end_of_the_page(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     text = f"""
     # P
@@ -345,22 +364,29 @@ def test_background_process_is_killed_at_teardown(tmp_path: Path, request) -> No
     ```
     """
     t0 = time.monotonic()
-    run(tmp_path, request, text)
+    run(tmp_path, text)
     assert time.monotonic() - t0 < 15
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 3
     assert not [p for p in started if alive(p)]
 
 
-def test_block_that_hangs_times_out(tmp_path: Path, request, monkeypatch) -> None:
-    monkeypatch.setattr(blocks, "BLOCK_TIMEOUT_S", 1.0)
+def test_block_that_hangs_times_out(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    with pytest.raises(blocks.BlockFailure, match=r"(?s)timed out after 1s.*started"):
-        run(tmp_path, request, "# P\n\n```bash\necho started\nsleep 60\necho never\n```\n")
+    with pytest.raises(BlockFailure, match=r"(?s)timed out after 1s.*started"):
+        run(tmp_path, '# P\n\n<!-- block: timeout="1" -->\n```bash\necho started\nsleep 60\necho never\n```\n')
     assert time.monotonic() - t0 < 10
 
 
-def test_rewrite_script_finds_long_running_commands() -> None:
+def test_a_foreground_server_is_refused_as_it_would_hang_the_reader(tmp_path: Path) -> None:
+    text = "# P\n\n```bash\necho start\nWCACHE_X=1 wcache serve ./m \\\n  --port 8123\n```\n"
+    with pytest.raises(BlockFailure, match=r"'WCACHE_X=1 wcache serve ./m \\\\ --port 8123' runs in the foreground"):
+        run(tmp_path, text)
+    # A refused start returns at once, so an expect-fail block may show it in the foreground.
+    run(tmp_path, "# P\n\n<!-- block: expect-fail -->\n```bash\nwcache serve --no-such-flag\n```\n")
+
+
+def test_the_shell_reader() -> None:
     script = textwrap.dedent(
         """\
         VAR="a b" wcache serve ./m \\
@@ -372,25 +398,20 @@ def test_rewrite_script_finds_long_running_commands() -> None:
         cat <<EOF
         wcache serve inside a heredoc
         EOF
-        python -m http.server 9 &  # a comment
-        echo a && echo b
+        python -m http.server 9 > 'http server.log' &  # a comment
+        echo a && echo b > not-background.log
         """
     )
-    out, started = blocks.rewrite_script(script, Path("/tmp/logs"), "t", 5)
-    assert [s.kind for s in started] == ["serve", "preload", "bg"]
-    assert "--port 8123" in out and "__wcb_await --kind serve" in out
-    assert "--log preload.log" in out
-    assert "wcache serve --help\n" in out
-    assert "cat <<EOF\nwcache serve inside a heredoc\nEOF\n" in out
-    assert "setsid bash -o pipefail -c 'exec python -m http.server 9'" in out
-    assert "echo a && echo b" in out
-    subprocess.run(["bash", "-n"], input=out, text=True, check=True)
+    assert [ll.text.split()[0] for ll in logical_lines(script)][:3] == ['VAR="a', "wcache", "wcache"]
+    assert foreground_servers(script) == [
+        """VAR="a b" wcache serve ./m \\ --port 8123 \\ --model-loader-extra-config '{"mode": "copy"}'"""]
+    assert background_logs(script) == ["preload.log", "http server.log"]
 
 
 # --- python ------------------------------------------------------------------------------------
 
 
-def test_print_check_passes_and_shares_globals(tmp_path: Path, request) -> None:
+def test_print_check_passes_and_shares_globals(tmp_path: Path) -> None:
     text = """
     # P
 
@@ -405,21 +426,40 @@ def test_print_check_passes_and_shares_globals(tmp_path: Path, request) -> None:
     #> 20
     ```
     """
-    run(tmp_path, request, text)
+    run(tmp_path, text)
 
 
-def test_print_check_mismatch_fails(tmp_path: Path, request) -> None:
+def test_print_check_mismatch_fails(tmp_path: Path) -> None:
     page = write_page(tmp_path, "# P\n\n```python\nprint(1 + 1)\n#> 3\n```\n")
     with pytest.raises(pytest.fail.Exception, match="Print output changed code"):
-        blocks.run_page(page, request=request, root=tmp_path)
+        run_page(page, root=tmp_path)
 
 
-def test_python_example_that_raises_fails_cleanly(tmp_path: Path, request) -> None:
-    page = write_page(tmp_path, '# P\n\n```python\nraise ValueError("boom")\n```\n')
-    main = sys.modules["__main__"]
+def test_python_examples_run_in_their_own_process(tmp_path: Path) -> None:
+    """An example that changes its directory, environment, __main__ and modules changes nothing
+    in the test process; one that raises fails its page with the exception."""
+    text = """
+    # P
+
+    ```python
+    import os
+    import sys
+
+    os.chdir("/")
+    os.environ["DOCS_EXAMPLE_WAS_HERE"] = "1"
+    sys.modules["docs_example_module"] = sys
+    print(os.getpid() != int(os.environ["TEST_PID"]))
+    #> True
+    ```
+    """
+    before = (os.getcwd(), dict(os.environ), sys.modules["__main__"])
+    run(tmp_path, text, extra_env={"TEST_PID": str(os.getpid())})
+    assert (os.getcwd(), dict(os.environ), sys.modules["__main__"]) == before
+    assert "docs_example_module" not in sys.modules
+    page = write_page(tmp_path, '# P\n\n```python\nraise ValueError("boom")\n```\n', name="raises.md")
     with pytest.raises(pytest.fail.Exception, match="ValueError: boom"):
-        blocks.run_page(page, request=request, root=tmp_path)
-    assert sys.modules["__main__"] is main
+        run_page(page, root=tmp_path)
+    assert (os.getcwd(), dict(os.environ), sys.modules["__main__"]) == before
 
 
 # --- yaml / json -----------------------------------------------------------------------------
@@ -440,7 +480,7 @@ services:
 """
 
 
-def test_compose_files_are_validated(tmp_path: Path, request) -> None:
+def test_compose_files_are_validated(tmp_path: Path) -> None:
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "compose.yaml").write_text(GOOD_COMPOSE)
     text = """
@@ -450,28 +490,28 @@ def test_compose_files_are_validated(tmp_path: Path, request) -> None:
     --8<-- "examples/compose.yaml"
     ```
     """
-    recorder = blocks.Recorder()
-    run(tmp_path, request, text, recorder=recorder)
+    recorder = Recorder()
+    run(tmp_path, text, recorder=recorder)
     assert recorder.results[0].detail == "compose (from examples/compose.yaml)"
 
     (tmp_path / "examples" / "compose.yaml").write_text(GOOD_COMPOSE.replace("ipc: host", "ipcc: host"))
     with pytest.raises(
-        blocks.BlockFailure, match=r"(?s)compose.*from examples/compose.yaml.*'ipcc' was unexpected"
+        BlockFailure, match=r"(?s)compose.*from examples/compose.yaml.*'ipcc' was unexpected"
     ):
-        run(tmp_path, request, text)
+        run(tmp_path, text)
 
     inline_bad = "# P\n\n```yaml\nservices:\n  a:\n    image: x\n    depends_on: 3\n```\n"
-    with pytest.raises(blocks.BlockFailure, match="compose: /services/a/depends_on"):
-        run(tmp_path, request, inline_bad)
+    with pytest.raises(BlockFailure, match="compose: /services/a/depends_on"):
+        run(tmp_path, inline_bad)
 
 
 def test_missing_snippet_is_an_error(tmp_path: Path) -> None:
     page = write_page(tmp_path, '# P\n\n```yaml\n--8<-- "examples/nope.yaml"\n```\n')
-    with pytest.raises(blocks.MarkerError, match="snippet 'examples/nope.yaml' not found"):
-        blocks.extract_blocks(page, tmp_path)
+    with pytest.raises(MarkerError, match="snippet 'examples/nope.yaml' not found"):
+        extract_blocks(page, tmp_path)
 
 
-def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path, request) -> None:
+def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path) -> None:
     bare_spec = """
     # P
 
@@ -482,9 +522,9 @@ def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path, request) ->
         {extra}
     ```
     """
-    run(tmp_path, request, bare_spec.format(extra="imagePullPolicy: IfNotPresent"))
-    with pytest.raises(blocks.BlockFailure, match=r"strict\) Pod: /spec/containers/0: .*'imagePullPolicyy'"):
-        run(tmp_path, request, bare_spec.format(extra="imagePullPolicyy: IfNotPresent"))
+    run(tmp_path, bare_spec.format(extra="imagePullPolicy: IfNotPresent"))
+    with pytest.raises(BlockFailure, match=r"strict\) Pod: /spec/containers/0: .*'imagePullPolicyy'"):
+        run(tmp_path, bare_spec.format(extra="imagePullPolicyy: IfNotPresent"))
     full = """
     # P
 
@@ -503,41 +543,32 @@ def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path, request) ->
             failureThreshld: 60
     ```
     """
-    run(tmp_path, request, full)
-    with pytest.raises(blocks.BlockFailure, match="failureThreshld"):
-        run(tmp_path, request, full.replace("    <!-- block: expect-fail -->\n", ""))
+    run(tmp_path, full)
+    with pytest.raises(BlockFailure, match="failureThreshld"):
+        run(tmp_path, full.replace("    <!-- block: expect-fail -->\n", ""))
 
 
-def test_json_blocks(tmp_path: Path, request) -> None:
-    run(
-        tmp_path,
-        request,
-        '# P\n\n<!-- block: loader-config -->\n```json\n{"mode": "copy", "fallback": false}\n```\n',
-    )
-    with pytest.raises(blocks.BlockFailure, match="JSON does not parse"):
-        run(tmp_path, request, '# P\n\n```json\n{"mode": "copy",}\n```\n')
+def test_json_blocks(tmp_path: Path) -> None:
+    run(tmp_path, '# P\n\n<!-- block: loader-config -->\n```json\n{"mode": "copy", "fallback": false}\n```\n')
+    with pytest.raises(BlockFailure, match="JSON does not parse"):
+        run(tmp_path, '# P\n\n```json\n{"mode": "copy",}\n```\n')
 
 
-def test_loader_config_is_checked_by_wcache(tmp_path: Path, request) -> None:
-    loader = pytest.importorskip("wcache.engine.loader", reason="wcache.engine.loader not importable yet")
-    if not hasattr(loader, "parse_loader_config"):
-        pytest.skip("wcache.engine.loader.parse_loader_config not written yet")
-    with pytest.raises(blocks.BlockFailure, match="LoaderConfigError"):
-        run(tmp_path, request, '# P\n\n<!-- block: loader-config -->\n```json\n{"moed": "copy"}\n```\n')
-    run(
-        tmp_path,
-        request,
-        '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n',
-    )
+def test_loader_config_is_checked_by_wcache(tmp_path: Path) -> None:
+    with pytest.raises(BlockFailure, match="LoaderConfigError"):
+        run(tmp_path, '# P\n\n<!-- block: loader-config -->\n```json\n{"moed": "copy"}\n```\n')
+    run(tmp_path, '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n')
 
 
-# --- awaited wcache preload / serve (stand-in executable) ------------------------------------
+# --- background preload / serve and `wcache wait` (stand-in servers, the real wait) -----------
 
 FAKE_WCACHE = """\
 #!{python}
-# Stand-in for the wcache CLI: just enough to exercise the runner's readiness waits.
+# Stand-in for `wcache preload` / `wcache serve`, just enough for the real `wcache wait` to wait for.
 import http.server, os, sys, time
 kind, args = sys.argv[1], sys.argv[2:]
+if kind == "wait":  # the real command
+    os.execv(sys.executable, [sys.executable, "-m", "wcache.cli", *sys.argv[1:]])
 with open(os.path.join(os.environ["FAKE_PID_DIR"], kind + ".pid"), "a") as f:
     f.write(f"{{os.getpid()}}\\n")
 if "--fail" in args:
@@ -565,14 +596,17 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 @pytest.fixture
-def fake_wcache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def fake_wcache(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / "wcache"
     exe.write_text(FAKE_WCACHE.format(python=sys.executable))
     exe.chmod(0o755)
-    monkeypatch.setenv("FAKE_PID_DIR", str(tmp_path))
     return bin_dir
+
+
+def run_fake(tmp_path: Path, fake_wcache: Path, text: str) -> PageRunner:
+    return run(tmp_path, text, extra_path=[fake_wcache], extra_env={"FAKE_PID_DIR": str(tmp_path)})
 
 
 def _pids(tmp_path: Path, kind: str) -> list[int]:
@@ -580,16 +614,18 @@ def _pids(tmp_path: Path, kind: str) -> list[int]:
     return [int(p) for p in f.read_text().split()] if f.exists() else []
 
 
-def test_preload_and_serve_are_awaited_and_stopped(tmp_path: Path, request, fake_wcache) -> None:
+def test_preload_and_serve_in_the_background_are_waited_for_and_stopped(tmp_path: Path, fake_wcache) -> None:
     port = free_port()
     text = f"""
     # P
 
     ```bash
     export PORT={port}
-    wcache preload --model ./m
+    wcache preload --model ./m > preload.log 2>&1 &
+    wcache wait --log preload.log
     MODE=zero_copy wcache serve ./m \\
-      --port "$PORT"
+      --port "$PORT" > engine.log 2>&1 &
+    wcache wait --health "http://127.0.0.1:$PORT/health"
     ```
 
     ```bash
@@ -601,86 +637,40 @@ def test_preload_and_serve_are_awaited_and_stopped(tmp_path: Path, request, fake
     ok
     ```
     """
-    run(tmp_path, request, text, extra_path=[fake_wcache])
+    run_fake(tmp_path, fake_wcache, text)
     started = _pids(tmp_path, "preload") + _pids(tmp_path, "serve")
     assert len(started) == 2
     assert not [p for p in started if alive(p)]
 
 
-def test_stopping_an_engine_by_its_pid(tmp_path: Path, request, fake_wcache) -> None:
+def test_stopping_an_engine_by_its_pid(tmp_path: Path, fake_wcache) -> None:
+    """`$!` is the engine's own pid, as in an interactive shell: nothing wraps the command."""
     port = free_port()
     text = f"""
     # P
 
     ```bash
-    wcache serve ./m --port {port} &
+    wcache serve ./m --port {port} > engine.log 2>&1 &
     ENGINE_PID=$!
+    wcache wait --health http://127.0.0.1:{port}/health --pid $ENGINE_PID
     ```
 
     ```bash
     kill "$ENGINE_PID"
-    while curl -s "http://127.0.0.1:{port}/health" >/dev/null; do sleep 0.1; done
+    while kill -0 "$ENGINE_PID" 2>/dev/null; do sleep 0.1; done
     ```
     """
-    run(tmp_path, request, text, extra_path=[fake_wcache])
+    run_fake(tmp_path, fake_wcache, text)
     assert len(_pids(tmp_path, "serve")) == 1
 
 
-def test_a_wcache_line_ending_with_ampersand_is_awaited_at_the_end_of_its_block(
-    tmp_path: Path, request, fake_wcache
-) -> None:
-    """`&` returns at once in a shell: the engine below gets ready only after the next line ran."""
-    port = free_port()
-    text = f"""
-    # P
-
-    ```bash
-    wcache serve ./m --port {port} --wait-for go > engine.log 2>&1 &
-    touch go
-    ```
-
-    ```bash
-    curl -sf "http://127.0.0.1:{port}/health"; echo
-    ```
-
-    <!-- block: expect-output -->
-    ```text
-    ok
-    ```
-    """
-    run(tmp_path, request, text, extra_path=[fake_wcache], ready_timeout=10)
-
-
-def test_a_redirected_background_command_is_its_own_pid(tmp_path: Path, request) -> None:
-    """`cmd > log 2>&1 &` then `kill $!` must stop cmd, as in an interactive shell: the runner's
-    `bash -c` wrapper execs a simple command instead of waiting for it as a child."""
+def test_expect_output_reads_the_logs_of_background_commands(tmp_path: Path, fake_wcache) -> None:
     text = """
     # P
 
     ```bash
-    sleep 30 > sleep.log 2>&1 &
-    SLEEPER=$!
-    ```
-
-    ```bash
-    test "$(cat /proc/$SLEEPER/comm)" = sleep
-    kill $SLEEPER
-    while kill -0 $SLEEPER 2>/dev/null; do sleep 0.1; done
-    ```
-    """
-    run(tmp_path, request, text)
-    for a, b in [("wcache serve m > e.log 2>&1", "exec wcache serve m > e.log 2>&1"),
-                 ("A=1 wcache serve m", "A=1 exec wcache serve m"),
-                 ("wcache serve m | tee e.log", None), ("a && b", None), ("cd d; wcache serve m", None)]:
-        assert blocks.exec_form(a) == (b or a)
-
-
-def test_expect_output_sees_background_logs(tmp_path: Path, request, fake_wcache) -> None:
-    text = """
-    # P
-
-    ```bash
-    wcache preload --model ./m
+    wcache preload --model ./m > preload.log 2>&1 &
+    wcache wait --log preload.log
     ```
 
     <!-- block: expect-output -->
@@ -688,23 +678,37 @@ def test_expect_output_sees_background_logs(tmp_path: Path, request, fake_wcache
     Weight cache daemon READY
     ```
     """
-    run(tmp_path, request, text, extra_path=[fake_wcache])
+    run_fake(tmp_path, fake_wcache, text)
 
 
-def test_serve_that_exits_early_fails_with_its_log(tmp_path: Path, request, fake_wcache) -> None:
-    text = f"# P\n\n```bash\nwcache serve ./m --port {free_port()} --fail\necho not reached\n```\n"
-    with pytest.raises(
-        blocks.BlockFailure, match=r"(?s)exited before it was ready.*engine failed: boom"
-    ) as e:
-        run(tmp_path, request, text, extra_path=[fake_wcache])
+def test_serve_that_exits_early_fails_the_wait_with_its_log(tmp_path: Path, fake_wcache) -> None:
+    port = free_port()
+    text = f"""
+    # P
+
+    ```bash
+    wcache serve ./m --port {port} --fail > engine.log 2>&1 &
+    wcache wait --health http://127.0.0.1:{port}/health --pid $!
+    echo not reached
+    ```
+    """
+    with pytest.raises(BlockFailure, match=r"(?s)exited 2.*exited before it was ready.*engine failed: boom") as e:
+        run_fake(tmp_path, fake_wcache, text)
     assert "not reached" not in str(e.value)
 
 
-def test_preload_that_never_gets_ready_times_out(tmp_path: Path, request, fake_wcache) -> None:
-    text = '# P\n\n<!-- block: timeout="1" -->\n```bash\nwcache preload --model ./m --never-ready\n```\n'
-    with pytest.raises(blocks.BlockFailure, match="not ready after 1s"):
-        run(tmp_path, request, text, extra_path=[fake_wcache])
-    assert not [p for p in _pids(tmp_path, "preload") if alive(p)]
+def test_preload_that_never_gets_ready_times_out_and_is_stopped(tmp_path: Path, fake_wcache) -> None:
+    text = """
+    # P
+
+    ```bash
+    wcache preload --model ./m --never-ready > preload.log 2>&1 &
+    wcache wait --log preload.log --timeout 1
+    ```
+    """
+    with pytest.raises(BlockFailure, match="Not ready after 1s"):
+        run_fake(tmp_path, fake_wcache, text)
+    assert _pids(tmp_path, "preload") and not [p for p in _pids(tmp_path, "preload") if alive(p)]
 
 
 # --- command line and the real package ---------------------------------------------------------
@@ -715,30 +719,17 @@ def test_list_command(tmp_path: Path) -> None:
         tmp_path, '# P\n\n```bash\necho\n```\n\n<!-- block: skip reason="multi-node" -->\n```bash\nx\n```\n'
     )
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "blocks.py"), "list", str(page)],
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-m", "tools.docs_runner", "list", str(page)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
     ).stdout
     assert "page.md:3" in out and "run" in out
     assert "page.md:8" in out and "skipped (multi-node)" in out
     assert "run 1, validated 0, skipped 1, unmarked 0" in out
 
 
-def _real_wcache() -> str | None:
-    import importlib.util
-
-    exe = shutil.which("wcache", path=str(ROOT / ".venv" / "bin"))
-    try:
-        has_checkpoint = importlib.util.find_spec("wcache.core.checkpoint") is not None
-    except ImportError:
-        has_checkpoint = False
-    return exe if exe and has_checkpoint else None
-
-
-def test_smoke_with_real_make_checkpoint(tmp_path: Path, request) -> None:
-    if _real_wcache() is None:
-        pytest.skip("the wcache package (make-checkpoint) is not installed in .venv yet")
+def test_smoke_with_real_make_checkpoint(tmp_path: Path) -> None:
+    if shutil.which("wcache", path=str(ROOT / ".venv" / "bin")) is None:
+        pytest.skip("the wcache command is not installed in .venv (make dev installs it)")
     text = """
     # P
 
@@ -752,4 +743,4 @@ def test_smoke_with_real_make_checkpoint(tmp_path: Path, request) -> None:
     config.json
     ```
     """
-    run(tmp_path, request, text)
+    run(tmp_path, text)

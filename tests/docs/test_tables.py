@@ -22,10 +22,10 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-import blocks
 import doc_tables
 import plot_bench
 import pytest
+from tools.docs_runner.parse import extract_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -441,7 +441,7 @@ def _test_corpus() -> tuple[str, list[str]]:
         strings += _strings(source)
         code_lines += [ln for ln in source.splitlines() if not re.match(r"\s*(from|import)\s", ln)]
     for p in sorted(DOCS.rglob("*.md")):
-        for b in blocks.extract_blocks(p):
+        for b in extract_blocks(p):
             if b.marker and b.marker.has("expect-output"):
                 strings.append(b.source)
     return "\n".join(strings), code_lines

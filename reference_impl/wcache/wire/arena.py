@@ -1,0 +1,246 @@
+"""How one rank's weights travel: packed into one arena, described by a JSON manifest.
+
+Every transport shares the manifest format (``Layout``), the binding routine (``bind_views``) and
+one interface, ``Arena``: the daemon ``pack``s a rank's weights into it (or ``adopt``s one a running
+engine hands back, handback.py), sends its ``descriptor()`` and ``fds()`` with every get_state
+reply, and ``close``s it. The engine side is ``MappedArena.open``: a uint8 tensor over the daemon's
+memory, and how to let go of it. ``ARENAS`` names each transport by its kind, the one name that
+appears on the command line, in the loader's ``transport`` key, in descriptors and in logs:
+
+* ``memfd`` (CPU, transports/memfd.py): a sealed memfd passed as a file descriptor;
+* ``cuda_ipc`` (transports/cuda_ipc.py): one cudaMalloc block exported as a legacy CUDA IPC handle;
+* ``vmm_fd`` (transports/cuda_vmm.py): a CUDA VMM allocation exported as a file descriptor.
+
+Which kind a daemon serves for ``--weight-cache-transport auto`` is decided in one place,
+transports/auto.py.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from wcache.core.postprocess import ProcessedWeights
+from wcache.wire.protocol import ProtocolError, close_fds
+
+PAGE = 4096
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.int32, torch.int64,
+)}
+_GROUP_FIELDS = {"names", "dtype", "shape", "stride", "offset", "step"}
+
+
+@dataclass
+class Layout:
+    """Where each tensor sits in the arena.
+
+    Tensors that differ only by layer number (same dtype, shape and stride) are laid out back to
+    back at a fixed step and form one *group*. The manifest then describes a group once, and the
+    engine binds a whole group with one ``as_strided`` + ``unbind`` (the per-tensor work happens in
+    C++), which is what makes a 10,000-tensor handoff cost milliseconds rather than tens of them.
+    """
+
+    groups: list[dict]  # names, dtype, shape, stride, offset (bytes), step (bytes)
+    size: int  # arena bytes: a multiple of the page size (and, for vmm_fd, of the driver's granularity)
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(len(g["names"]) * DTYPES[g["dtype"]].itemsize * _numel(g["shape"]) for g in self.groups)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, size: int) -> "Layout":
+        """The layout a manifest describes; malformed ones raise ProtocolError (bind_views then
+        checks that every view lies inside the arena)."""
+        try:
+            groups = manifest["groups"]
+            for g in groups:
+                if set(g) != _GROUP_FIELDS or g["dtype"] not in DTYPES \
+                        or not all(isinstance(n, str) for n in g["names"]) \
+                        or not all(isinstance(d, int) and d >= 0 for d in g["shape"]):
+                    raise ProtocolError(f"bad manifest group {str(g)[:200]}")
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad manifest: {str(e)[:200]}") from None
+        return cls(groups, arena_size({"size": size}))
+
+    @property
+    def entries(self) -> list[dict]:
+        """Per tensor: name, dtype, shape, stride, offset."""
+        return [{"name": n, "dtype": g["dtype"], "shape": g["shape"], "stride": g["stride"],
+                 "offset": g["offset"] + i * g["step"]} for g in self.groups for i, n in enumerate(g["names"])]
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _group_key(name: str, t: torch.Tensor) -> tuple:
+    return (re.sub(r"\.\d+\.", ".#.", name), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def plan_layout(tensors: dict[str, torch.Tensor], align: int, granularity: int = PAGE) -> Layout:
+    """Offsets for every tensor, each a multiple of ``align``; the size rounded up to ``granularity``."""
+    grouped: dict[tuple, list[str]] = {}
+    for name, t in tensors.items():
+        grouped.setdefault(_group_key(name, t), []).append(name)
+    groups, offset = [], 0
+    for names in grouped.values():
+        t = tensors[names[0]]
+        nbytes = t.numel() * t.element_size()
+        step = -(-nbytes // align) * align
+        offset = -(-offset // align) * align
+        groups.append({"names": names, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                       "stride": list(t.stride()), "offset": offset, "step": step})
+        offset += step * (len(names) - 1) + nbytes
+    return Layout(groups, max(granularity, -(-offset // granularity) * granularity))
+
+
+def manifest(layout: Layout) -> dict:
+    return {"groups": layout.groups}
+
+
+def new_arena_id() -> str:
+    """Names one packed arena for its whole life, across daemons that adopt it: an engine that
+    handed its arena back knows by this id that a restarted daemon serves the same memory."""
+    return uuid.uuid4().hex
+
+
+def arena_size(desc: dict) -> int:
+    size = desc.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % PAGE:
+        raise ProtocolError(f"bad arena size {size!r}")
+    return size
+
+
+def bind_views(arena: torch.Tensor, manifest: dict) -> dict[str, torch.Tensor]:
+    """Tensors for every manifest entry as views of ``arena`` (uint8).
+
+    torch's own storage bounds check rejects any view that would reach outside the arena, so a
+    malformed manifest fails here with a ProtocolError instead of reading foreign memory.
+    """
+    size = arena.numel()
+    views: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for g in manifest["groups"]:
+            names, dt, shape, stride, offset, step = (g["names"], g["dtype"], g["shape"], g["stride"],
+                                                       g["offset"], g["step"])
+            dtype = DTYPES[dt]
+            item = dtype.itemsize
+            if dt not in views:
+                views[dt] = arena[: size - size % item].view(dtype)
+            if not isinstance(offset, int) or not isinstance(step, int) or offset % item or step % item \
+                    or offset < 0 or step < 0 or not names:
+                raise ProtocolError(f"group {names[:1]} has a misaligned offset {offset!r} or step {step!r}")
+            stacked = views[dt].as_strided([len(names), *shape], [step // item, *stride], offset // item)
+            out.update(zip(names, stacked.unbind(0)))
+    except ProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as err:
+        raise ProtocolError(f"bad manifest: {str(err)[:300]}") from None
+    return out
+
+
+class Arena:
+    """The daemon's side: one rank's weights in memory that other processes can map.
+
+    A transport subclasses it and implements ``pack`` (fill a new arena from processed weights),
+    ``tensor`` (the daemon's own view), ``descriptor``/``fds`` (what a get_state reply carries),
+    ``close`` and, on the engine's side,
+    ``map`` (a MappedArena from a descriptor). ``adopt`` exists where a descriptor can be handed
+    back to a restarted daemon (``handed_back``).
+    """
+
+    kind: str = ""
+    handed_back = False  # whether a running engine can give this arena to a restarted daemon
+
+    def __init__(self, layout: Layout, arena_id: str, weights_bytes: int):
+        self.layout, self.id, self.weights_bytes = layout, arena_id, weights_bytes
+
+    @property
+    def size(self) -> int:
+        """Bytes of memory the arena occupies: the same in the descriptor, in get_memory and after an
+        adoption, because the layout's size is the allocation's."""
+        return self.layout.size
+
+    @classmethod
+    def pack(cls, weights: ProcessedWeights, device: torch.device) -> "Arena":
+        raise NotImplementedError
+
+    @classmethod
+    def adopt(cls, desc: dict, layout: Layout, fd: int, device: torch.device) -> "Arena":
+        raise ProtocolError(f"a {cls.kind} arena cannot be handed back")
+
+    @classmethod
+    def map(cls, desc: dict, fds: list[int], device: torch.device) -> "MappedArena":
+        raise NotImplementedError
+
+    def tensor(self) -> torch.Tensor:
+        """The whole arena as a uint8 tensor in this (the daemon's) process."""
+        raise NotImplementedError
+
+    def descriptor(self) -> dict:
+        return {"kind": self.kind, "size": self.size, "id": self.id}
+
+    def fds(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class MappedArena:
+    """The engine's side of an arena: a uint8 tensor over the daemon's memory, and how to let go."""
+
+    def __init__(self, tensor: torch.Tensor, closer=None):
+        self.tensor = tensor
+        self._closer = closer
+
+    @staticmethod
+    def open(desc: dict, fds: list[int], device: torch.device) -> "MappedArena":
+        """Map the arena a get_state reply describes; any descriptor not handed on is closed."""
+        cls = ARENAS.get(desc.get("kind"))
+        if cls is None:
+            close_fds(fds)
+            raise ProtocolError(f"unknown arena kind {desc.get('kind')!r}")
+        wanted = "cpu" if cls.kind == "memfd" else "cuda"
+        if device.type != wanted:
+            close_fds(fds)
+            raise ProtocolError(f"the daemon serves a {cls.kind} arena but this engine runs on {device}")
+        return cls.map(desc, fds, device)
+
+    def close(self) -> None:
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+
+
+def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
+    return MappedArena.open(desc, fds, device)
+
+
+def make_arena(weights: ProcessedWeights, device: torch.device, transport: str = "auto") -> Arena:
+    """Pack a rank's weights into the arena the transport choice resolves to on this device."""
+    from wcache.wire.transports.auto import resolve_transport
+
+    return ARENAS[resolve_transport(transport, device)].pack(weights, device)
+
+
+def adopt_arena(kind: str, desc: dict, layout: Layout, fd: int, device: torch.device) -> Arena:
+    """Serve an arena a running engine handed back (handback.py) instead of packing a new one."""
+    return ARENAS[kind].adopt(desc, layout, fd, device)
+
+
+# The table of kinds. The transport modules import this one for the base classes, so they are
+# imported last, once everything above exists.
+from wcache.wire.transports.cuda_ipc import CudaIpcArena  # noqa: E402
+from wcache.wire.transports.cuda_vmm import VmmFdArena  # noqa: E402
+from wcache.wire.transports.memfd import MemfdArena  # noqa: E402
+
+ARENAS: dict[str, type[Arena]] = {a.kind: a for a in (MemfdArena, CudaIpcArena, VmmFdArena)}
+HANDED_BACK_KINDS = tuple(k for k, a in ARENAS.items() if a.handed_back)  # not cuda_ipc: its handle dies with its daemon

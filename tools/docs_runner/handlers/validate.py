@@ -1,0 +1,84 @@
+"""YAML and JSON blocks: parsed, and validated by what would consume them. A Compose file against the
+compose-spec schema vendored in check-jsonschema; a Kubernetes object (or a bare pod spec, wrapped in
+a Pod) with kubernetes-validate in strict mode; a loader config by wcache's own parser."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+#: Kubernetes version whose strict schemas (shipped with kubernetes-validate) the guide targets.
+K8S_VERSION = "1.30.0"
+
+
+@lru_cache(maxsize=1)
+def _compose_schema() -> dict:
+    from importlib import resources
+
+    ref = resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    return json.loads(ref.read_text(encoding="utf-8"))
+
+
+def validate_compose(doc: dict) -> list[str]:
+    import jsonschema
+
+    schema = _compose_schema()
+    cls = jsonschema.validators.validator_for(schema)
+    errors = sorted(cls(schema).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    return [f"compose: /{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+
+
+def validate_k8s(doc: dict) -> list[str]:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = "/".join(map(str, e.absolute_path))
+        return [f"kubernetes {K8S_VERSION} (strict) {doc.get('kind')}: /{path}: {e.message}"]
+    except kubernetes_validate.SchemaNotFoundError as e:
+        return [f"kubernetes: {e.message}"]
+    return []
+
+
+def validate_yaml(text: str) -> tuple[list[str], str]:
+    """(errors, what was checked)."""
+    import yaml
+
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        return [f"YAML does not parse: {e}"], "yaml"
+    errors: list[str] = []
+    kinds: list[str] = []
+    for d in docs:
+        if isinstance(d, dict) and "services" in d:
+            kinds.append("compose")
+            errors += validate_compose(d)
+        elif isinstance(d, dict) and "apiVersion" in d and "kind" in d:
+            kinds.append(f"k8s {d['kind']}")
+            errors += validate_k8s(d)
+        elif isinstance(d, dict) and "containers" in d and "kind" not in d:
+            kinds.append("k8s pod spec")
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "docs-example"}, "spec": d}
+            errors += validate_k8s(pod)
+        else:
+            kinds.append("yaml (parsed)")
+    return errors, ", ".join(kinds) or "yaml (empty)"
+
+
+def validate_json(text: str, loader_config: bool) -> tuple[list[str], str]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return [f"JSON does not parse: {e}"], "json"
+    if not loader_config:
+        return [], "json (parsed)"
+    from wcache.engine.loading.config import parse_loader_config
+    from wcache.errors import LoaderConfigError
+
+    try:
+        parse_loader_config(obj)
+    except LoaderConfigError as e:
+        return [f"LoaderConfigError: {e}"], "loader-config"
+    return [], "loader-config"
