@@ -132,6 +132,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "preload-flags": preload_flags,
     "serve-flags": serve_flags,
     "bench-table": plot_bench.bench_table,
+    "bench-keys": plot_bench.bench_keys_table,
     "bench-phases": plot_bench.phases_table,
     "bench-targets": plot_bench.targets_table,
     "bench-runs": plot_bench.runs_table,

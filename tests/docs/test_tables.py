@@ -492,7 +492,7 @@ def test_the_coverage_check_reports_an_unasserted_message():
     assert unasserted([text], "nothing here", ["nothing here"]) != []
 
 
-CORE_PAGES = ["index.md", "quickstart.md", "how-it-works.md", "configuration.md", "security.md",
+CORE_PAGES = ["index.md", "quickstart.md", "how-it-works.md", "lifecycle.md", "configuration.md", "security.md",
               "troubleshooting.md", "benchmarks.md", "validation.md"]
 LOG_LIKE = re.compile(r"^(Weight cache|Waiting up to|Mapped |WeightCacheKey|Cannot connect|Cannot map|Another weight"
                       r"|Removing stale|Rank \d|Refusing to|Socket directory|Socket path|The daemon kept|Released the"
