@@ -6,8 +6,11 @@ environment and a pipe descriptor on which the rank reports, as one JSON line, t
 
 Order matters and mirrors upstream: load and post-process, pack, free the transients, and only
 then take the lock and bind the socket, so an engine never sees a socket of a daemon that is not
-ready. Connections are served on threads; every request is bounded in size and time, and a bad
-frame gets an error reply and a closed connection while the daemon keeps serving others.
+ready. Connections are served on threads; every request is bounded in size, shape and total time
+(protocol.recv_frame), all requests together in bytes held (FrameBudget), every connection to one
+unread answer carrying a descriptor, and the daemon's descriptor table so that clients can never
+fill it (fd_reserve). A bad frame gets an error reply and a closed connection while the daemon
+keeps serving others.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
 import threading
@@ -27,7 +32,7 @@ import torch
 
 from wcache.core import autotune
 from wcache import logs
-from wcache.daemon import seed
+from wcache.daemon import arena_record, seed
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
@@ -35,12 +40,17 @@ from wcache.errors import (
     DAEMON_ERRORS,
     REASONS,
     AutotuneFailedError,
+    DaemonLockError,
     UnsupportedQuantForIPCError,
     UserError,
 )
 from wcache.core.fingerprint import cache_key, checkpoint_digest, mismatched_fields
 from wcache.wire.handback import HANDED_BACK_KINDS, take_back
 from wcache.wire.protocol import (
+    MAX_FDS,
+    REQUESTS,
+    BudgetExceeded,
+    FrameBudget,
     ProtocolError,
     close_fds,
     drain,
@@ -49,21 +59,30 @@ from wcache.wire.protocol import (
     reply,
     send_frame,
 )
-from wcache.core.ranks import exit_after_collectives
+from wcache.core.distributed import exit_after_collectives
 from wcache.wire.sockets import (
     MAX_SOCKET_PATH,
     DaemonLock,
+    answers,
     bind_private_socket,
     peer_cred,
     prepare_socket_dir,
     socket_name,
 )
-from wcache.wire.transport import make_arena, manifest, resolve_transport
+from wcache.wire.arena import make_arena, manifest
+from wcache.wire.transports.auto import resolve_transport
 
 log = logging.getLogger("wcache.daemon")
 
 MAX_CLIENTS = 256
-REQUEST_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0  # waiting for a request, and then for all of its bytes (not per recv)
+# Requests are small: a key of 16 fields. These bound what one can parse into.
+REQUEST_CONTAINERS = 4096
+REQUEST_ITEMS = 65_536
+IN_FLIGHT_BYTES = 128 << 20  # request bytes (x4 for what parsing makes of them) of all connections at once
+FD_RESERVE = 64  # descriptors kept free of clients: arena, logs, the seed listener, the driver
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # after EMFILE/ENFILE: first and longest pause before accepting again
+EMFILE_LOG_EVERY_S = 10.0
 MODES = ("zero_copy", "copy")
 SOCKET_PATH_TOO_LONG = ("Socket path {path} is {n} bytes; Unix sockets allow at most {max}. "
                         "Use a shorter --weight-cache-socket-dir")
@@ -73,6 +92,10 @@ REFUSED_LOG = "Refused request %r from pid %d (%s): %s"
 BUSY_LOG = "Refused a connection from pid %d (busy): %s"
 SOCKET_NOT_OURS = "Rank %d stopped; left %s alone: it is no longer the socket this daemon bound"
 CLIENT_FAILED_LOG = "Connection from pid %d failed; closed it"
+CLIENT_IO_LOG = "Connection from pid %d closed: %s"
+ACCEPT_FAILED_LOG = "Cannot accept connections (%s); pausing %.2f s (%d such errors in the last %.0f s)"
+UNREAD_LOG = "Closed the connection of pid %d: it has not read the answer carrying a descriptor (%d bytes unread)"
+CLIENT_LIMIT_LOG = "Serving at most %d connections at once: the descriptor limit is %d"
 
 
 class RankDaemon:
@@ -86,7 +109,9 @@ class RankDaemon:
         self.lock = threading.Lock()
         self.released = False
         self.leases: set[int] = set()  # ids of connections holding a zero_copy mapping
-        self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.max_clients = client_limit()
+        self.clients = threading.BoundedSemaphore(self.max_clients)
+        self.budget = FrameBudget(IN_FLIGHT_BYTES)
         self.arena = None
         self.autotune_doc = None  # the tuned winners this rank serves to seeding replicas
         self.seed_server = None
@@ -96,9 +121,9 @@ class RankDaemon:
         if not self.cfg.quant.supports_pre_processed_weights:
             raise UnsupportedQuantForIPCError(self.cfg.quant.name)
         t0 = time.perf_counter()
-        digest, stats = checkpoint_digest(self.cfg.model)
+        digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False))
         self.key = cache_key(self.cfg, digest)
-        from wcache.core.ranks import (
+        from wcache.core.distributed import (
             join_daemon_world,  # one torch.distributed world over all ranks and nodes
         )
 
@@ -110,6 +135,8 @@ class RankDaemon:
         else:
             weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
             self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
+            if self.spec.get("adopt", True):  # what a restarted daemon may adopt: this arena only
+                arena_record.write(self.socket_path, self.arena)
             self.aliases, self.attrs = weights.aliases, weights.attrs
             self.weights_bytes = weights.nbytes
             del weights
@@ -131,7 +158,8 @@ class RankDaemon:
         kind = resolve_transport(self.spec.get("transport", "auto"), self.cfg.torch_device)
         if kind not in HANDED_BACK_KINDS:
             return None
-        return take_back(self.socket_path, self.key, self.device_id, kind, self.cfg.torch_device, self.rank)
+        return take_back(self.socket_path, self.key, self.device_id, kind, self.cfg.torch_device, self.rank,
+                         verify=arena_record.Verifier(self.socket_path, self.rank))
 
     def autotune_pass(self) -> None:
         """Pull the tuned cache from a seed daemon if one is given, then load or tune it (before the
@@ -177,7 +205,11 @@ class RankDaemon:
         self.flock = DaemonLock(path)
         self.flock.acquire()
         if os.path.lexists(path):
-            # We own the lock, so whatever is here belongs to a daemon that died: replace it.
+            # We own the lock, so whatever is here should belong to a daemon that died. But a lock
+            # file can be removed under a live daemon (a tmp cleaner): a live one answers.
+            if answers(path):
+                self.flock.release()
+                raise DaemonLockError(path, DaemonLockError.LIVE_SOCKET)
             log.warning("Removing stale socket %s left by a previous daemon", path)
             os.unlink(path)
         sock = bind_private_socket(path)
@@ -189,18 +221,28 @@ class RankDaemon:
 
     # -- serving -----------------------------------------------------------------------------
     def serve(self, listener: socket.socket) -> None:
+        pause, errors, logged = 0.0, 0, 0.0
         while not self.stop.is_set():
             try:
                 conn, _ = listener.accept()
+                pause = 0.0
             except TimeoutError:
                 continue
             except OSError as e:
                 if self.stop.is_set():
                     break
-                log.warning("accept failed: %s", e)
+                # Out of descriptors (EMFILE/ENFILE) or memory: accepting again at once fails again
+                # and spins. Pause, doubling up to a second, and log once per EMFILE_LOG_EVERY_S.
+                errors += 1
+                pause = min(ACCEPT_BACKOFF_S[1], max(ACCEPT_BACKOFF_S[0], pause * 2))
+                now = time.monotonic()
+                if now - logged >= EMFILE_LOG_EVERY_S:
+                    log.warning(ACCEPT_FAILED_LOG, e, pause, errors, EMFILE_LOG_EVERY_S)
+                    logged, errors = now, 0
+                self.stop.wait(pause)
                 continue
             if not self.clients.acquire(blocking=False):
-                message = DAEMON_ERRORS["busy"].format(max=MAX_CLIENTS)
+                message = DAEMON_ERRORS["busy"].format(max=self.max_clients)
                 log.warning(BUSY_LOG, _peer_pid(conn), message)
                 self._refuse(conn, "busy", message)
                 continue
@@ -229,19 +271,37 @@ class RankDaemon:
             conn.settimeout(REQUEST_TIMEOUT_S)
             while not self.stop.is_set():
                 try:
-                    req, fds = recv_frame(conn)
+                    req, fds = recv_frame(conn, timeout=REQUEST_TIMEOUT_S, budget=self.budget,
+                                          max_containers=REQUEST_CONTAINERS, max_items=REQUEST_ITEMS)
                     close_fds(fds)  # clients have no reason to send descriptors; never keep one
                 except EOFError:
+                    return
+                except BudgetExceeded as e:
+                    self._refuse(conn, "busy", DAEMON_ERRORS["busy_bytes"].format(held=e.held, limit=e.limit),
+                                 drain_input=True)
+                    log.warning(REFUSED_LOG, "?", pid, "busy", e)
                     return
                 except ProtocolError as e:
                     log.warning("Bad frame from pid %d: %s", pid, e)
                     send_frame(conn, reply(False, error="protocol", message=str(e)))
                     drain(conn)
                     return
-                answer, fds = self._handle(cid, req)
+                try:
+                    op = str(req.get("op"))[:64]
+                    answer, fds = self._handle(cid, req)
+                finally:
+                    del req  # a parsed request is never kept while the connection idles
+                    self.budget.release()
+                if fds and (unread := _unread_bytes(conn)):
+                    # Its earlier answer, and the descriptor riding on it, are still in flight:
+                    # a peer that never reads would pile descriptors up until the kernel refuses
+                    # to send any (engines then get nothing). One unread answer per connection.
+                    log.warning(UNREAD_LOG, pid, unread)
+                    self._refuse(conn, "unread", DAEMON_ERRORS["unread"])
+                    return
                 send_frame(conn, answer, fds)
                 if isinstance(answer, dict) and not answer["ok"]:
-                    log.warning(REFUSED_LOG, str(req.get("op"))[:64], pid, answer["error"], answer["message"])
+                    log.warning(REFUSED_LOG, op, pid, answer["error"], answer["message"])
                     if answer["error"] == "protocol":
                         drain(conn)
                         return
@@ -249,8 +309,10 @@ class RankDaemon:
                     # A zero_copy lease is this open connection for the engine's whole life: an idle
                     # engine must not lose it to the request timeout (a release would then succeed).
                     conn.settimeout(None)
-        except (OSError, TimeoutError):
-            pass
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            pass  # the client went away: nothing to tell anyone
+        except (OSError, TimeoutError) as e:  # e.g. ETOOMANYREFS on a descriptor, a request too slow
+            log.warning(CLIENT_IO_LOG, pid, e)
         except Exception:  # one connection's failure must never reach the others
             log.exception(CLIENT_FAILED_LOG, pid)
         finally:
@@ -260,43 +322,53 @@ class RankDaemon:
             self.clients.release()
 
     def _handle(self, cid: int, req: dict) -> tuple[dict, list[int]]:
-        op = req.get("op")
-        if op == "get_state":
-            key, mode = req.get("key"), req.get("mode", "zero_copy")
-            if not isinstance(key, dict) or mode not in MODES:
-                return reply(False, error="protocol",
-                             message=DAEMON_ERRORS["bad_get_state"].format(modes=list(MODES))), []
-            with self.lock:
-                if self.released:
-                    return reply(False, error="released", message=REASONS["released"]), []
-                fields = [f[:128] for f in mismatched_fields(self.key, key)[:MAX_REPORTED_FIELDS]]
-                if fields:
-                    return reply(False, error="mismatch", fields=fields,
-                                 message=REASONS["mismatch"].format(fields=fields)), []
-                if mode == "zero_copy":
-                    self.leases.add(cid)
-                return self.state_frame, self.arena.fds()
-        if op == "get_memory":
-            with self.lock:
-                held = 0 if self.released else self.weights_bytes
-                return reply(True, weights_bytes=held, arena_bytes=0 if self.released else self.arena.size,
-                             released=self.released, zero_copy_engines=len(self.leases)), []
-        if op == "release":
-            with self.lock:
-                others = len(self.leases - {cid})
-                if others:
-                    return reply(False, error="in_use", message=DAEMON_ERRORS["in_use"].format(n=others)), []
-                if not self.released:
-                    try:
-                        self.arena.close()
-                    except Exception as e:  # a driver error must not kill the connection thread silently
-                        log.exception("Releasing the cached weights failed")
-                        return reply(False, error="release_failed",
-                                     message=DAEMON_ERRORS["release_failed"].format(error=e)), []
-                    self.released = True
-                    log.info("Released the cached weights at an engine's request (copy mode)")
-                return reply(True, released=True), []
-        return reply(False, error="protocol", message=DAEMON_ERRORS["unknown_op"].format(op=str(op)[:64])), []
+        handler = self.HANDLERS.get(req.get("op")) if isinstance(req.get("op"), str) else None
+        if handler is None:
+            op = req.get("op")
+            return reply(False, error="protocol", message=DAEMON_ERRORS["unknown_op"].format(op=str(op)[:64])), []
+        return handler(self, cid, req)
+
+    def _get_state(self, cid: int, req: dict) -> tuple[dict, list[int]]:
+        key, mode = req.get("key"), req.get("mode", "zero_copy")
+        if not isinstance(key, dict) or mode not in MODES:
+            return reply(False, error="protocol",
+                         message=DAEMON_ERRORS["bad_get_state"].format(modes=list(MODES))), []
+        with self.lock:
+            if self.released:
+                return reply(False, error="released", message=REASONS["released"]), []
+            fields = [f[:128] for f in mismatched_fields(self.key, key)[:MAX_REPORTED_FIELDS]]
+            if fields:
+                return reply(False, error="mismatch", fields=fields,
+                             message=REASONS["mismatch"].format(fields=fields)), []
+            if mode == "zero_copy":
+                self.leases.add(cid)
+            return self.state_frame, self.arena.fds()
+
+    def _get_memory(self, cid: int, req: dict) -> tuple[dict, list[int]]:
+        with self.lock:
+            held = 0 if self.released else self.weights_bytes
+            return reply(True, weights_bytes=held, arena_bytes=0 if self.released else self.arena.size,
+                         released=self.released, zero_copy_engines=len(self.leases)), []
+
+    def _release(self, cid: int, req: dict) -> tuple[dict, list[int]]:
+        with self.lock:
+            others = len(self.leases - {cid})
+            if others:
+                return reply(False, error="in_use", message=DAEMON_ERRORS["in_use"].format(n=others)), []
+            if not self.released:
+                try:
+                    self.arena.close()
+                except Exception as e:  # a driver error must not kill the connection thread silently
+                    log.exception("Releasing the cached weights failed")
+                    return reply(False, error="release_failed",
+                                 message=DAEMON_ERRORS["release_failed"].format(error=e)), []
+                self.released = True
+                log.info("Released the cached weights at an engine's request (copy mode)")
+            return reply(True, released=True), []
+
+    # The protocol's op table (protocol.REQUESTS) is what the daemon dispatches on: one handler each.
+    HANDLERS = {"get_state": _get_state, "get_memory": _get_memory, "release": _release}
+    assert tuple(HANDLERS) == REQUESTS, "every request of protocol.REQUESTS needs its handler, and no other"
 
     def shutdown(self, listener: socket.socket) -> None:
         listener.close()
@@ -316,6 +388,36 @@ class RankDaemon:
             log.info("Rank %d stopped; socket %s removed", self.rank, self.path)
         else:  # replaced or removed by someone else since we bound it: never unlink what is not ours
             log.warning(SOCKET_NOT_OURS, self.rank, self.path)
+
+
+def _unread_bytes(conn: socket.socket) -> int:
+    """Bytes this side sent that the peer has not read yet (SIOCOUTQ, the same request as TIOCOUTQ)."""
+    try:
+        import termios
+
+        return int.from_bytes(fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"), "little", signed=True)
+    except OSError:
+        return 0
+
+
+def client_limit() -> int:
+    """Connections served at once: MAX_CLIENTS, or fewer where the descriptor limit could not hold
+    each with its own socket and MAX_FDS received descriptors, besides FD_RESERVE. The soft limit
+    is raised to the hard one first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_CLIENTS * (1 + MAX_FDS) + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return MAX_CLIENTS
+    n = max(1, (soft - FD_RESERVE) // (1 + MAX_FDS))
+    log.warning(CLIENT_LIMIT_LOG, n, soft)
+    return n
 
 
 def _peer_pid(conn: socket.socket) -> int:

@@ -5,13 +5,18 @@ allocation the engine's mapping keeps that memory alive. The engine also kept on
 the arena. So instead of reading the checkpoint again, the next daemon can serve that memory:
 
 1. Engine: its lease connection hangs up. It keeps serving from the memory it maps, and offers
-   the arena on a Unix socket next to the daemon's, ``<daemon socket>.handback-<random>``
-   (mode 0600, in the same socket directory, so it works across containers that share it).
-2. Daemon: after hashing the checkpoint and before loading it, it looks for such offers. It asks
-   each with its cache key; an engine of the same uid answers with the arena's descriptor,
-   manifest, aliases and attributes and passes the descriptor (SCM_RIGHTS). The daemon takes it
-   only if the cache key, device and transport are its own, the manifest lies inside the arena,
-   and (memfd) the seals forbid writes. Anything else is logged and it loads from disk.
+   the arena on a Unix socket in the daemon's socket directory, ``wcache_offer_<random>.sock``
+   (mode 0600, so it works across containers that share the directory). The name never depends
+   on the device: a GPU UUID makes the daemon's own name long, and the offer's must still fit
+   the 107 bytes of a Unix socket path wherever the daemon's fits.
+2. Daemon: after hashing the checkpoint and before loading it, it asks every offer in the
+   directory, at once and within ASK_BUDGET_S in all, for the arena of its own socket name. The
+   engine of that socket (same uid) answers with the arena's descriptor, manifest, aliases and
+   attributes and passes the descriptor (SCM_RIGHTS); others say it is not theirs. The daemon takes
+   it only if the cache key, device and transport are its own, the manifest lies inside the arena,
+   (memfd) the seals forbid writes, and the daemon's ``verify`` accepts it: daemon/arena_record.py
+   checks that it is the very arena a daemon of this socket packed, since any process of the uid
+   can plant an offer. Anything else is logged and it loads from disk.
 3. Engine: it re-leases from the daemon that now serves the same arena (same arena id), and
    removes its offer. If the new daemon loaded its own copy instead, the engine keeps its memory,
    stops offering and says so.
@@ -30,10 +35,12 @@ import socket
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from wcache.errors import (
     ADOPTED,
+    ARENA_NOT_RECORDED,
     HANDED_BACK,
     LEASE_LOST,
     LEASED_AGAIN,
@@ -47,13 +54,15 @@ from wcache.errors import (
 from wcache.core.fingerprint import mismatched_fields
 from wcache.wire.protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import MAX_SOCKET_PATH, bind_private_socket, check_socket_file, peer_cred
-from wcache.wire.transport import CpuArena, CudaVmmArena, Layout, adopt_arena
+from wcache.wire.arena import HANDED_BACK_KINDS, Layout, adopt_arena
 
 log = logging.getLogger("wcache.handback")
 
-OFFER_SUFFIX = ".handback-"
-HANDED_BACK_KINDS = (CpuArena.kind, CudaVmmArena.kind)  # arenas a descriptor can carry; not cuda_ipc
+OFFER_PREFIX = "wcache_offer_"  # + 16 hex + ".sock": 34 bytes, shorter than any daemon socket's name
 ASK_TIMEOUT_S = 5.0  # an engine answers at once; a hung one must not stall a daemon's start for long
+ASK_BUDGET_S = 5.0  # all offers are asked at once, and all together within this
+MAX_OFFERS = 64  # offers asked per start; more is a flood, not engines
+NOT_THIS_SOCKET = "not_this_socket"
 RELEASE_POLL_S = 0.25
 
 
@@ -105,7 +114,7 @@ class ArenaOffer:
                 self._close_fd()
 
     def _offer(self) -> bool:
-        offer = self.path.with_name(self.path.name + OFFER_SUFFIX + secrets.token_hex(4))
+        offer = self.path.with_name(f"{OFFER_PREFIX}{secrets.token_hex(8)}.sock")
         try:
             if len(os.fsencode(offer)) > MAX_SOCKET_PATH:
                 raise OSError(errno.ENAMETOOLONG, f"{offer} is longer than a Unix socket path may be")
@@ -145,8 +154,10 @@ class ArenaOffer:
                 send_frame(conn, reply(False, error="rejected", message=f"uid {uid} may not take this arena"))
             elif req.get("op") != "hand_back":
                 send_frame(conn, reply(False, error="protocol", message="expected hand_back"))
+            elif req.get("socket") != self.path.name:  # a daemon of another device or model group
+                send_frame(conn, reply(False, error=NOT_THIS_SOCKET, message=f"this offer is for {self.path.name}"))
             else:
-                send_frame(conn, reply(True, key=self.key, **{k: self.state.get(k) for k in
+                send_frame(conn, reply(True, key=self.key, socket=self.path.name, **{k: self.state.get(k) for k in
                                        ("arena", "manifest", "aliases", "attrs", "device_id")}), [self.fd])
                 log.info(HANDED_BACK.format(pid=pid))
         except (OSError, ProtocolError, EOFError) as e:
@@ -201,10 +212,10 @@ class ArenaOffer:
 
 # -- daemon side ------------------------------------------------------------------------------
 def offers(socket_path: Path) -> list[Path]:
-    """The hand-back sockets engines left next to this daemon socket (oldest first)."""
-    prefix = socket_path.name + OFFER_SUFFIX
+    """The hand-back sockets engines left in this daemon's socket directory (oldest first, at most
+    MAX_OFFERS): offers of every device; each says which daemon socket it is for when asked."""
     try:
-        found = [p for p in socket_path.parent.iterdir() if p.name.startswith(prefix)]
+        found = [p for p in socket_path.parent.iterdir() if p.name.startswith(OFFER_PREFIX)]
     except OSError:
         return []
 
@@ -214,42 +225,67 @@ def offers(socket_path: Path) -> list[Path]:
         except OSError:
             return 0.0
 
-    return sorted(found, key=age)
+    return sorted(found, key=age)[:MAX_OFFERS]
 
 
-def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int):
+def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int, verify=None):
     """(arena, aliases, attrs) from the first engine that offers a matching arena, else None.
 
-    transport.adopt_arena builds the arena object and raises ProtocolError (or OSError, or
-    RuntimeError from the driver) when the memory is not acceptable.
+    arena.adopt_arena builds the arena object and raises ProtocolError (or OSError, or
+    RuntimeError from the driver) when the memory is not acceptable; ``verify(arena)`` raises
+    ValueError unless the daemon recorded that arena (daemon/arena_record.py). Without ``verify``
+    nothing is adopted: an offer's own word proves nothing.
     """
+    t0 = time.perf_counter()
+    candidates = []
     for offer in offers(socket_path):
-        t0 = time.perf_counter()
         try:
             check_socket_file(offer)
         except OSError as e:
             log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
             continue
-        got = _ask(offer, rank)
+        candidates.append(offer)
+    if not candidates:
+        return None
+    deadline = time.monotonic() + ASK_BUDGET_S
+    with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="wcache-ask") as pool:
+        answers = list(zip(candidates, pool.map(lambda o: _ask(o, rank, socket_path.name, deadline), candidates)))
+    adopted = None
+    for offer, got in answers:
         if got is None:
             continue
         pid, answer, fds = got
+        if adopted is not None:
+            close_fds(fds)
+            continue
         try:
             arena, aliases, attrs = _accept(answer, fds, key, device_id, kind, device)
         except (ProtocolError, OSError, RuntimeError, ValueError) as e:
             close_fds(fds)
             log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
             continue
+        try:
+            if verify is None:
+                raise ValueError(ARENA_NOT_RECORDED)
+            verify(arena)
+        except (ValueError, OSError, RuntimeError) as e:
+            arena.close()
+            log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
+            continue
         n = sum(len(g["names"]) for g in arena.layout.groups)
         log.info(ADOPTED.format(rank=rank, pid=pid, n=n, mib=arena.weights_bytes / 2**20,
                                 seconds=time.perf_counter() - t0))
-        return arena, aliases, attrs
-    return None
+        adopted = arena, aliases, attrs
+    return adopted
 
 
-def _ask(offer: Path, rank: int):
+def _ask(offer: Path, rank: int, socket_name: str, deadline: float):
+    left = deadline - time.monotonic()
+    if left <= 0:
+        log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=f"no time left of the {ASK_BUDGET_S}s for offers"))
+        return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(ASK_TIMEOUT_S)
+    sock.settimeout(min(ASK_TIMEOUT_S, left))
     try:
         try:
             sock.connect(str(offer))
@@ -265,11 +301,16 @@ def _ask(offer: Path, rank: int):
         pid, uid, _ = peer_cred(sock)
         if uid != os.getuid():
             raise OSError(f"the process listening there runs as uid {uid}, not {os.getuid()}")
-        send_frame(sock, request("hand_back"))
-        answer, fds = recv_frame(sock)
+        send_frame(sock, request("hand_back", socket=socket_name))
+        answer, fds = recv_frame(sock, timeout=max(0.01, deadline - time.monotonic()))
         if not answer.get("ok"):
             close_fds(fds)
+            if answer.get("error") == NOT_THIS_SOCKET:  # another daemon's engine: not ours to judge
+                return None
             raise ProtocolError(f"{answer.get('error')}: {answer.get('message')}")
+        if answer.get("socket") != socket_name:
+            close_fds(fds)
+            raise ProtocolError(f"it offers the arena of {str(answer.get('socket'))[:128]!r}, not of {socket_name}")
         return pid, answer, fds
     except (OSError, ProtocolError, EOFError) as e:
         log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e or type(e).__name__))
