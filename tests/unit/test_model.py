@@ -255,8 +255,10 @@ def test_bind_weights_checks_names_shapes_and_dtypes(tiny_model):
 
 
 def test_pipeline_stages_split_layers_evenly():
-    cfg = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-           "num_attention_heads": 4}
+    from wcache.core.llama_config import normalize
+
+    cfg = normalize({"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 384,
+                     "num_hidden_layers": 4, "num_attention_heads": 4}, "config.json")
     stages = [ModelShape.from_config(cfg, pp_size=3, pp_rank=r) for r in range(3)]
     assert [list(s.layer_range) for s in stages] == [[0, 1], [2], [3]]
     assert [(s.first_stage, s.last_stage) for s in stages] == [(True, False), (False, False), (False, True)]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from wcache.core import llama_config
 from wcache.model import tokenizer
 from wcache.errors import UserError
 
@@ -72,16 +73,16 @@ def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Names and shapes in the Hugging Face Llama layout, in checkpoint order."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    head_dim = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * head_dim
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (h, h)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
@@ -174,13 +175,36 @@ class CheckpointError(UserError):
 
 
 def read_config(model_dir: str | os.PathLike) -> dict:
+    """config.json with every field the engine reads resolved (llama_config.normalize), or a refusal."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"No config.json in {model_dir}: not a model directory")
-    cfg = json.loads(path.read_text())
-    if cfg.get("model_type") != "llama":
-        raise CheckpointError(f"Unsupported model_type {cfg.get('model_type')!r} in {path}; wcache serves llama")
-    return cfg
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return llama_config.normalize(raw, path)
+
+
+# safetensors header dtypes -> the names config.json uses
+STORED_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def stored_dtype(model_dir: str | os.PathLike) -> str | None:
+    """The dtype of the first floating-point tensor of the first shard, read from its header: what
+    transformers takes when config.json names no dtype."""
+    path = shard_files(model_dir)[0]
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"Cannot read the safetensors header of {path}: {e}") from None
+    for name, entry in header.items():
+        if name != "__metadata__" and entry["dtype"] in STORED_DTYPES:
+            return STORED_DTYPES[entry["dtype"]]
+    return None
 
 
 def shard_files(model_dir: str | os.PathLike) -> list[Path]:

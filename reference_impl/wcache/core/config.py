@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
-from wcache.core import checkpoint
+from wcache.core import checkpoint, llama_config
+from wcache.errors import UnsupportedCheckpointError
 from wcache.model import quant
 from wcache.model.llama import ModelShape
 
@@ -44,6 +46,16 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
+def auto_dtype(model: str, hf: dict) -> str:
+    """--dtype auto, as transformers' dtype="auto": config.json's dtype, else the stored weights'."""
+    field, name = llama_config.config_dtype(hf)
+    if name is None:
+        field, name = "dtype", checkpoint.stored_dtype(model) or "float32"
+    if name not in checkpoint.DTYPES:
+        raise UnsupportedCheckpointError(Path(model) / "config.json", field, llama_config.show(name), "dtype")
+    return name
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -58,7 +70,7 @@ class EngineConfig:
     def build(cls, model: str, dtype: str = "auto", quantization: str | None = None, device: str = "auto",
               ranks: Ranks = Ranks(), revision: str | None = None) -> "EngineConfig":
         hf = checkpoint.read_config(model)
-        name = hf.get("torch_dtype", "bfloat16") if dtype == "auto" else dtype
+        name = auto_dtype(model, hf) if dtype == "auto" else dtype
         if name not in checkpoint.DTYPES:
             raise ValueError(f"Unsupported dtype {name!r}; choose one of {DTYPE_CHOICES}")
         return cls(model=str(model), hf=hf, dtype=checkpoint.DTYPES[name], quant=quant.resolve(quantization, hf),

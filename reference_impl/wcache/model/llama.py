@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from wcache.model import rope
 from wcache.model.quant import QuantMethod
 
 
@@ -32,7 +33,8 @@ class ModelShape:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    rope_theta: float
+    head_dim: int
+    rope: rope.Rope
     rms_norm_eps: float
     max_positions: int
     tie_embeddings: bool
@@ -42,25 +44,23 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0) -> "ModelShape":
+        """From a config.json that wcache.core.llama_config.normalize resolved (every field present)."""
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_positions=cfg.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            rope=rope.Rope.from_parameters(cfg["rope_parameters"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            max_positions=cfg["max_position_embeddings"],
+            tie_embeddings=bool(cfg["tie_word_embeddings"]),
             tp_size=tp_size,
             pp_size=pp_size,
             pp_rank=pp_rank,
         )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def layer_range(self) -> range:
@@ -109,24 +109,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: normalize in float32, round to the input dtype, then scale by
+        # the gain (the order matters in bfloat16).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; the Hugging Face "rotate half" convention.
-    x32 = x.float()
-    half = x32.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -144,8 +131,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
         )
-        q = apply_rope(q.view(T, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.kv_heads, self.head_dim), cos, sin)
+        q = rope.apply(q.view(T, self.heads, self.head_dim), cos, sin)  # (T, heads, head_dim)
+        k = rope.apply(k.view(T, self.kv_heads, self.head_dim), cos, sin)  # (T, kv_heads, head_dim)
         cache_k[start : start + T] = k
         cache_v[start : start + T] = v.view(T, self.kv_heads, self.head_dim)
         keys = cache_k[: start + T].repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -227,7 +214,7 @@ class Llama(nn.Module):
         if self.shape.first_stage:
             x = F.embedding(x, self.embed.weight)
         positions = torch.arange(start, start + x.shape[0], device=x.device)
-        cos, sin = rope_cos_sin(positions, self.shape.head_dim, self.shape.rope_theta)
+        cos, sin = rope.cos_sin(positions, self.shape.rope, self.shape.head_dim, self.dtype)
         for block, (ck, cv) in zip(self.layers.values(), cache):
             x = block(x, cos, sin, ck, cv, start)
         if not self.shape.last_stage:

@@ -1,0 +1,138 @@
+"""config.json as transformers' LlamaConfig reads it, or a refusal that names the field.
+
+The transformers library writes Llama checkpoints differently in its current major (5.x) and the
+previous one (4.x): the dtype is ``dtype`` (4.56 and later) or ``torch_dtype`` (earlier); RoPE is
+``rope_parameters`` with ``rope_theta`` inside (5.x) or a top-level ``rope_theta`` beside a
+``rope_scaling`` dict whose type key is ``rope_type`` or, in older files, ``type`` (4.x); ``head_dim``
+and ``num_key_value_heads`` may be absent (derived) or null. `normalize` resolves all of that the
+way transformers 5 does (its defaults included: ``rms_norm_eps`` 1e-6, ``max_position_embeddings``
+2048, no tied embeddings) and adds the result under the 5.x names, so that the model reads one
+form. Whatever the engine does not compute exactly like ``LlamaForCausalLM`` (another
+architecture, biases, a sliding window, a RoPE type it lacks, another activation) raises
+`UnsupportedCheckpointError`: one line, exit 2, instead of different logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+from wcache.errors import UnsupportedCheckpointError
+from wcache.model import tokenizer
+
+ARCHITECTURE = "LlamaForCausalLM"
+ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+# transformers' ACT2FN maps both names to SiLU.
+ACTIVATIONS = ("silu", "swish")
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# LlamaConfig's defaults for fields a config.json may leave out.
+DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+            "rope_theta": 10000.0}
+
+
+def show(value) -> str:
+    """A value as config.json spells it (true, "gelu", ["MistralForCausalLM"])."""
+    return json.dumps(value)
+
+
+def _positive_int(cfg: dict, key: str, path) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedCheckpointError(path, key, "missing" if value is None else show(value), "required")
+    return value
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def rope_parameters(cfg: dict, path) -> dict:
+    """The flat 5.x ``rope_parameters`` dict: rope_type, rope_theta and the type's own keys.
+
+    As in transformers 5: a non-empty ``rope_scaling`` (4.x) wins over ``rope_parameters``; a
+    ``rope_theta`` inside the dict wins over the top-level one; the type key may be ``type``; llama3's
+    ``original_max_position_embeddings`` comes from the top level when set there, else from the dict,
+    else it is ``max_position_embeddings``."""
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    raw = cfg.get(where) or {}
+    if not isinstance(raw, dict) or any(isinstance(v, dict) for v in raw.values()):
+        raise UnsupportedCheckpointError(path, where, show(raw), "rope_nested")
+    rope = dict(raw)
+    type_key = "rope_type" if "rope_type" in rope else "type"
+    rope_type = rope.pop("type", None) if type_key == "type" else rope["rope_type"]
+    rope["rope_type"] = rope_type = rope_type or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedCheckpointError(path, f"{where}.{type_key}", show(rope_type), "rope_type")
+    rope.setdefault("rope_theta", cfg.get("rope_theta", DEFAULTS["rope_theta"]))
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        field = f"{where}.partial_rotary_factor" if "partial_rotary_factor" in rope else "partial_rotary_factor"
+        raise UnsupportedCheckpointError(path, field, show(partial), "partial_rotary_factor")
+    needs = {"default": (), "linear": ("factor",), "llama3": LLAMA3_KEYS}[rope_type]
+    for key in ("rope_theta", *needs):
+        if not _number(rope.get(key)) or rope[key] <= 0:
+            raise UnsupportedCheckpointError(path, f"{where}.{key}", show(rope.get(key)) if key in rope else "missing",
+                                             "rope_field", rope_type=rope_type, needs=_needs(rope_type))
+    if rope_type == "llama3":
+        if "original_max_position_embeddings" in cfg:
+            rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+        if not _number(rope["original_max_position_embeddings"]) or rope["original_max_position_embeddings"] <= 0:
+            raise UnsupportedCheckpointError(path, f"{where}.original_max_position_embeddings",
+                                             show(rope["original_max_position_embeddings"]), "rope_field",
+                                             rope_type=rope_type, needs=_needs(rope_type))
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:
+            raise UnsupportedCheckpointError(path, f"{where}.high_freq_factor", show(rope["high_freq_factor"]),
+                                             "rope_field", rope_type=rope_type, needs=_needs(rope_type))
+    return rope
+
+
+def _needs(rope_type: str) -> str:
+    if rope_type == "llama3":
+        return "positive factor, low_freq_factor and high_freq_factor, with high_freq_factor > low_freq_factor"
+    return "a positive rope_theta" + (" and factor" if rope_type == "linear" else "")
+
+
+def config_dtype(cfg: dict) -> tuple[str, str | None]:
+    """(field, value) of the checkpoint's dtype: ``dtype`` (4.56 and later), else ``torch_dtype``."""
+    if cfg.get("dtype") is not None:
+        return "dtype", cfg["dtype"]
+    return "torch_dtype", cfg.get("torch_dtype")
+
+
+def normalize(raw: dict, path) -> dict:
+    """The config with every field the engine reads resolved under its 5.x name, or a refusal."""
+    if raw.get("model_type") != "llama":
+        raise UnsupportedCheckpointError(path, "model_type", show(raw.get("model_type")), "model_type")
+    archs = raw.get("architectures")
+    if archs is not None and archs != [ARCHITECTURE]:
+        raise UnsupportedCheckpointError(path, "architectures", show(archs), "architectures")
+    for key in REQUIRED:
+        _positive_int(raw, key, path)
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise UnsupportedCheckpointError(path, key, show(raw[key]), key)
+    if raw.get("sliding_window") is not None and raw.get("use_sliding_window") is not False:
+        raise UnsupportedCheckpointError(path, "sliding_window", show(raw["sliding_window"]), "sliding_window")
+    if raw.get("hidden_act", "silu") not in ACTIVATIONS:
+        raise UnsupportedCheckpointError(path, "hidden_act", show(raw["hidden_act"]), "hidden_act")
+    if raw["vocab_size"] < tokenizer.MIN_VOCAB_SIZE:
+        raise UnsupportedCheckpointError(path, "vocab_size", show(raw["vocab_size"]), "vocab_size",
+                                         min=tokenizer.MIN_VOCAB_SIZE)
+    cfg = dict(raw)
+    for key, default in DEFAULTS.items():
+        if key != "rope_theta" and cfg.get(key) is None:
+            cfg[key] = default
+    heads = raw["num_attention_heads"]
+    if cfg.get("num_key_value_heads") is None:
+        cfg["num_key_value_heads"] = heads
+    if _positive_int(cfg, "num_key_value_heads", path) and heads % cfg["num_key_value_heads"]:
+        raise UnsupportedCheckpointError(path, "num_key_value_heads", show(cfg["num_key_value_heads"]),
+                                         "num_key_value_heads")
+    if cfg.get("head_dim") is None:
+        cfg["head_dim"] = raw["hidden_size"] // heads
+    if _positive_int(cfg, "head_dim", path) % 2:
+        raise UnsupportedCheckpointError(path, "head_dim", show(cfg["head_dim"]), "head_dim")
+    _positive_int(cfg, "max_position_embeddings", path)
+    cfg["rope_parameters"] = rope_parameters(cfg, path)
+    return cfg

@@ -1,0 +1,81 @@
+"""Write Llama checkpoints with the transformers library itself, and its answers on them.
+
+Run as ``python hf_reference.py SPEC.json``, under whichever transformers major is importable (the
+venv's 5.x, or 4.x by putting a second install first on PYTHONPATH). SPEC is a list of
+``{"name", "config", "dtype", "max_shard_size", "seed", "init_std", "prompt", "max_tokens",
+"eos_id", "out"}``. For each entry it builds ``LlamaForCausalLM(LlamaConfig(**config))`` with seeded
+random weights, saves it with ``save_pretrained(out/"model", max_shard_size=...)`` exactly as a user
+would, loads that directory back with ``from_pretrained`` (so the reference is what transformers
+computes from the files, not from memory), and writes ``out/reference.json``: for each of
+``compute_dtypes`` (default float32), the logits of every prompt position (as float32) and the
+greedy continuation (argmax, full recomputation each step, stopping after ``eos_id`` as wcache's
+engine does) with its smallest winning margin. The reverse direction (a wcache checkpoint read by
+transformers) passes ``"load": DIR`` instead of a config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_kwarg(dtype: torch.dtype) -> dict:
+    # transformers 4.56 renamed from_pretrained's torch_dtype to dtype; 5.x only knows dtype.
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def write(entry: dict) -> Path:
+    out = Path(entry["out"])
+    model_dir = out / "model"
+    torch.manual_seed(entry.get("seed", 0))
+    config = LlamaConfig(**entry["config"])
+    model = LlamaForCausalLM(config)
+    std = entry.get("init_std")
+    if std:  # wider than transformers' initializer_range, so greedy choices are clear-cut
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0.0, std)
+                else:
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.to(DTYPES[entry["dtype"]]).save_pretrained(model_dir, max_shard_size=entry.get("max_shard_size", "5GB"))
+    return model_dir
+
+
+def reference(model_dir: Path, entry: dict, dtype: torch.dtype) -> dict:
+    model = LlamaForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype)).eval()
+    ids = list(entry["prompt"])
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+        greedy, seq, margins = [], list(ids), []
+        for _ in range(entry["max_tokens"]):
+            last = model(torch.tensor([seq])).logits[0, -1].float()
+            top = last.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            greedy.append(int(last.argmax()))
+            seq.append(greedy[-1])
+            if greedy[-1] == entry.get("eos_id"):
+                break
+    return {"logits": logits.tolist(), "greedy": greedy, "min_margin": min(margins)}
+
+
+def main(spec_path: str) -> int:
+    for entry in json.loads(Path(spec_path).read_text()):
+        model_dir = Path(entry["load"]) if "load" in entry else write(entry)
+        Path(entry["out"]).mkdir(parents=True, exist_ok=True)
+        by_dtype = {name: reference(model_dir, entry, DTYPES[name]) for name in entry.get("compute_dtypes", ["float32"])}
+        (Path(entry["out"]) / "reference.json").write_text(
+            json.dumps({"transformers": transformers.__version__, **by_dtype}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
