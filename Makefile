@@ -21,8 +21,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
+# The previous transformers major (4.x) goes apart from the venv's 5.x, in .work/tf4 with the hub
+# client and tokenizers it needs: tests/integration/test_hf_parity.py puts it on PYTHONPATH of a
+# subprocess that writes checkpoints as 4.x does (its other dependencies come from the venv).
+TF4_DIR := .work/tf4
+TF4_PINS := 'transformers>=4.57,<5' 'huggingface-hub>=0.34,<1' 'tokenizers>=0.22,<=0.23.0'
+
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e '.[dev]'
+	rm -rf $(TF4_DIR) && $(PIP) install -q --no-deps --target $(TF4_DIR) $(TF4_PINS)
 	touch $@
 
 venv: $(VENV)/.installed
