@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from wcache.core import checkpoint, llama_config
-from wcache.errors import UnsupportedCheckpointError
 from wcache.model import quant
+from wcache.errors import DeviceError
 from wcache.model.llama import ModelShape
 
 DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
@@ -40,20 +40,10 @@ def resolve_device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was requested but torch sees no CUDA device")
+        raise DeviceError(DeviceError.NO_CUDA)
     if choice not in ("cuda", "cpu"):
         raise ValueError(f"Unknown device {choice!r}; choose auto, cuda or cpu")
     return choice
-
-
-def auto_dtype(model: str, hf: dict) -> str:
-    """--dtype auto, as transformers' dtype="auto": config.json's dtype, else the stored weights'."""
-    field, name = llama_config.config_dtype(hf)
-    if name is None:
-        field, name = "dtype", checkpoint.stored_dtype(model) or "float32"
-    if name not in checkpoint.DTYPES:
-        raise UnsupportedCheckpointError(Path(model) / "config.json", field, llama_config.show(name), "dtype")
-    return name
 
 
 @dataclass(frozen=True)
@@ -70,7 +60,8 @@ class EngineConfig:
     def build(cls, model: str, dtype: str = "auto", quantization: str | None = None, device: str = "auto",
               ranks: Ranks = Ranks(), revision: str | None = None) -> "EngineConfig":
         hf = checkpoint.read_config(model)
-        name = auto_dtype(model, hf) if dtype == "auto" else dtype
+        name = (llama_config.auto_dtype(hf, Path(model) / "config.json", lambda: checkpoint.stored_dtype(model))
+                if dtype == "auto" else dtype)
         if name not in checkpoint.DTYPES:
             raise ValueError(f"Unsupported dtype {name!r}; choose one of {DTYPE_CHOICES}")
         return cls(model=str(model), hf=hf, dtype=checkpoint.DTYPES[name], quant=quant.resolve(quantization, hf),

@@ -24,6 +24,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 # transformers' ACT2FN maps both names to SiLU.
 ACTIVATIONS = ("silu", "swish")
+DTYPES = ("bfloat16", "float16", "float32")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # LlamaConfig's defaults for fields a config.json may leave out.
 DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -93,11 +94,16 @@ def _needs(rope_type: str) -> str:
     return "a positive rope_theta" + (" and factor" if rope_type == "linear" else "")
 
 
-def config_dtype(cfg: dict) -> tuple[str, str | None]:
-    """(field, value) of the checkpoint's dtype: ``dtype`` (4.56 and later), else ``torch_dtype``."""
-    if cfg.get("dtype") is not None:
-        return "dtype", cfg["dtype"]
-    return "torch_dtype", cfg.get("torch_dtype")
+def auto_dtype(cfg: dict, path, stored) -> str:
+    """What ``--dtype auto`` computes in, as transformers' ``dtype="auto"``: config.json's ``dtype``
+    (4.56 and later) or ``torch_dtype`` (earlier), else ``stored()``, the weights' own dtype."""
+    field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    name = cfg.get(field)
+    if name is None:
+        field, name = "dtype", stored() or "float32"
+    if name not in DTYPES:
+        raise UnsupportedCheckpointError(path, field, show(name), "dtype")
+    return name
 
 
 def normalize(raw: dict, path) -> dict:
@@ -136,3 +142,48 @@ def normalize(raw: dict, path) -> dict:
     _positive_int(cfg, "max_position_embeddings", path)
     cfg["rope_parameters"] = rope_parameters(cfg, path)
     return cfg
+
+
+# Everything refused, each with one change to a valid config.json that shows it: the guide's table
+# (tools/doc_tables.py runs `refusal` on each) and tests/integration/test_checkpoint_refusals.py.
+REFUSED = {
+    "architectures": ("anything but `[\"LlamaForCausalLM\"]`", {"architectures": ["MistralForCausalLM"]}),
+    "model_type": ("anything but `\"llama\"`", {"model_type": "mistral"}),
+    "attention_bias": ("`true`", {"attention_bias": True}),
+    "mlp_bias": ("`true`", {"mlp_bias": True}),
+    "sliding_window": ("set (not `null`), unless `use_sliding_window` is `false`", {"sliding_window": 4096}),
+    "hidden_act": ("anything but `\"silu\"` (or `\"swish\"`)", {"hidden_act": "gelu"}),
+    "rope_parameters.rope_type": ("`dynamic`, `yarn`, `longrope` or any other unknown type",
+                                  {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}),
+    "rope_scaling.type": ("the same, in 4.x's `rope_scaling` (`rope_type`, or the legacy `type`)",
+                          {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+    "rope_parameters.low_freq_factor": ("missing or not positive for `llama3` (likewise `factor` for `linear`)",
+                                        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                             "high_freq_factor": 4.0, "rope_theta": 500000.0}}),
+    "partial_rotary_factor": ("anything but 1", {"partial_rotary_factor": 0.5}),
+    "dtype": ("`float64` or another dtype, with `--dtype auto`", {"dtype": "float64"}),
+    "torch_dtype": ("the same, in the field before 4.56", {"dtype": None, "torch_dtype": "float64"}),
+    "vocab_size": ("fewer than 258 ids (the byte tokenizer's)", {"vocab_size": 200}),
+    "head_dim": ("odd", {"head_dim": 33}),
+    "num_key_value_heads": ("not a divisor of `num_attention_heads`", {"num_key_value_heads": 3}),
+    "hidden_size": ("missing or not a positive integer (likewise the other sizes)", {"hidden_size": None}),
+}
+# The valid config.json the examples change (transformers 5's own fields for a small Llama).
+EXAMPLE = {"architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": 320, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_act": "silu", "dtype": "float32", "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+def example(field: str) -> dict:
+    """EXAMPLE with REFUSED[field]'s change (a None value removes the key)."""
+    cfg = {**EXAMPLE, **REFUSED[field][1]}
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def refusal(cfg: dict, path) -> str | None:
+    """The refusal's message for this config.json, or None when it is served (with --dtype auto)."""
+    try:
+        auto_dtype(normalize(cfg, path), path, lambda: None)
+    except UnsupportedCheckpointError as e:
+        return str(e)
+    return None
