@@ -23,7 +23,9 @@ def fault_autotune_dir(tmp_path_factory) -> Path:
 def fault_env(tmp_path_factory, fault_autotune_dir):
     """A private environment (procs.private_env) for this module, with its own autotune cache."""
     with private_env(tmp_path_factory.mktemp("fault-cache"), prefix="wf-",
-                     WCACHE_AUTOTUNE_CACHE_DIR=str(fault_autotune_dir)) as env:
+                     WCACHE_AUTOTUNE_CACHE_DIR=str(fault_autotune_dir),
+                     # the daemons' hand-back records (daemon/arena_record.py), private to this run
+                     WCACHE_STATE_DIR=str(tmp_path_factory.mktemp("fault-state"))) as env:
         yield env
 
 

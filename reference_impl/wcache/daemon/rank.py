@@ -297,7 +297,7 @@ class RankDaemon:
                     # a peer that never reads would pile descriptors up until the kernel refuses
                     # to send any (engines then get nothing). One unread answer per connection.
                     log.warning(UNREAD_LOG, pid, unread)
-                    self._refuse(conn, "unread", DAEMON_ERRORS["unread"])
+                    self._refuse(conn, "unread", DAEMON_ERRORS["unread"], drain_input=True)
                     return
                 send_frame(conn, answer, fds)
                 if isinstance(answer, dict) and not answer["ok"]:

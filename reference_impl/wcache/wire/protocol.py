@@ -99,7 +99,7 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: _Deadline
         if deadline is not None:
             deadline.arm()
         buf += chunk
-    return bytes(buf)
+    return buf  # not bytes(buf): a copy would double what a 16 MiB frame holds
 
 
 def check_size(body: bytes, max_containers: int = MAX_CONTAINERS, max_items: int = MAX_ITEMS) -> None:
@@ -135,13 +135,17 @@ class FrameBudget:
     read; the reading thread gives it back with ``release()`` once it has dropped the request.
     """
 
-    def __init__(self, limit: int, factor: int = 4):
-        self.limit, self.factor = limit, factor
+    def __init__(self, limit: int, factor: int = 4, small: int = 64 << 10):
+        # Frames up to ``small`` bytes (every engine request) are not counted: a few peers holding
+        # the budget with slow large frames must not lock engines out. MAX_CLIENTS of them is a bound.
+        self.limit, self.factor, self.small = limit, factor, small
         self.held = 0
         self._lock = threading.Lock()
         self._mine = threading.local()
 
     def take(self, length: int) -> None:
+        if length <= self.small:
+            return
         cost = length * self.factor
         with self._lock:
             if self.held + cost > self.limit:
@@ -158,6 +162,7 @@ class FrameBudget:
 class BudgetExceeded(ProtocolError):
     def __init__(self, held: int, limit: int):
         super().__init__(f"frames in flight hold {held} of {limit} bytes")
+        self.held, self.limit = held, limit
 
 
 def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, timeout: float | None = None,
