@@ -11,7 +11,8 @@ A page marks a region it does not write by hand with two HTML comments (invisibl
 runs the check, so a table can only change together with the code or the JSON it comes from.
 
 Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
-serve``, from ``wcache.cli.build_parser()``) and the benchmark tables of ``tools/plot_bench.py``.
+serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
+field, from ``wcache.core.llama_config.REFUSED``) and the benchmark tables of ``tools/plot_bench.py``.
 """
 
 from __future__ import annotations
@@ -128,9 +129,22 @@ def serve_flags() -> str:
     return flags_table("serve")
 
 
+def checkpoint_refusals() -> str:
+    """Every refused config.json field: when, and the message the code gives for its example
+    (wcache.core.llama_config.REFUSED, run through the engine's own check)."""
+    from wcache.core.llama_config import REFUSED, example, refusal
+
+    out = ["| Field | Refused when | Message (for the example value) |", "| --- | --- | --- |"]
+    for field, (when, _) in REFUSED.items():
+        text = refusal(example(field), "model/config.json").replace("|", "\\|")
+        out.append(f"| `{field}` | {when} | `{text}` |")
+    return "\n".join(out)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "preload-flags": preload_flags,
     "serve-flags": serve_flags,
+    "checkpoint-refusals": checkpoint_refusals,
     "bench-table": plot_bench.bench_table,
     "bench-keys": plot_bench.bench_keys_table,
     "bench-phases": plot_bench.phases_table,
