@@ -493,3 +493,91 @@ def test_rehash_hashes_every_shard_on_each_start(fault_procs, tiny_model, tmp_pa
     [(hashed, files)] = re.findall(r"hashed (\d+) of (\d+) files", q.log())
     assert hashed == files and int(files) > 0
     q.stop()
+
+
+# -- 5. the engine's HTTP API ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(fault_procs, tiny_model):
+    return fault_procs.serve(tiny_model, NO_TUNE)
+
+
+def http_raw(port: int, data: bytes, timeout: float = 40) -> tuple[int, dict, float]:
+    """(status, JSON body, seconds) of the answer to raw bytes; the body must be JSON."""
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        buf = bytearray()
+        try:
+            while chunk := s.recv(1 << 16):
+                buf += chunk
+                head, sep, body = bytes(buf).partition(b"\r\n\r\n")
+                m = re.search(rb"Content-Length: (\d+)", head)
+                if sep and m and len(body) >= int(m.group(1)):
+                    break
+        except ConnectionResetError:
+            pass
+    head, _, body = bytes(buf).partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body), time.perf_counter() - t0
+
+
+def post(body: bytes, length: str | None = None) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + (length or str(len(body))).encode() + b"\r\n\r\n" + body)
+
+
+MALFORMED_HTTP = {  # name: (request bytes, status, a piece of the message)
+    "negative length": (post(b"x" * 4096, "-1"), 400, "Content-Length must be a number of bytes"),
+    "signed length": (post(b"{}", "+2"), 400, "Content-Length must be a number of bytes"),
+    "5000-digit length": (post(b"{}", "9" * 5000), 400, ""),
+    "lone surrogate": (post(b'{"prompt": "\\ud800", "max_tokens": 2}'), 400, "lone surrogate"),
+    "100k-deep nesting": (post(b'{"prompt": "a", "max_tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400,
+                          "not valid JSON"),
+    "5000-digit max_tokens": (post(b'{"prompt": "a", "max_tokens": ' + b"7" * 5000 + b"}"), 400, "not valid JSON"),
+    "garbage request line": (b"GARBAGE\r\n\r\n", 400, "Bad request"),
+    "no length": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 411, "Content-Length header is required"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_HTTP))
+def test_a_malformed_http_request_gets_a_json_4xx_and_the_server_stays_up(engine, case):
+    data, status, piece = MALFORMED_HTTP[case]
+    got, body, seconds = http_raw(engine.port, data)
+    assert got == status and piece in body["error"]["message"], (got, body)
+    assert seconds < 5
+    assert "Traceback" not in engine.log()
+    assert http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))[0] == 200
+
+
+def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
+    from wcache.engine.server import BODY_DEADLINE_S, MAX_CONNECTIONS
+
+    pid = engine.pid
+    base = threads(pid)
+    held = []
+    try:
+        with Peak(pid) as peak:
+            for _ in range(MAX_CONNECTIONS + 36):  # 100 bodies that never finish
+                s = socket.create_connection(("127.0.0.1", engine.port), timeout=10)
+                s.sendall(post(b"", "100") + b'{"prompt":')
+                held.append(s)
+            time.sleep(0.5)
+            status, body, seconds = http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))
+            assert status == 503 and body["error"]["type"] == "server_busy" and seconds < 2, (status, body)
+        # The first ones are cut at the body deadline with a 408, and the server serves again.
+        s = held[0]
+        s.settimeout(BODY_DEADLINE_S + 15)
+        answer = s.recv(1 << 16)
+        assert b" 408 " in answer.split(b"\r\n", 1)[0], answer[:200]
+    finally:
+        for s in held:
+            s.close()
+    wait_until(lambda: http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))[0] == 200, 30,
+               "the engine to serve again")
+    assert peak.threads <= base + MAX_CONNECTIONS + 4, (base, peak.threads)  # was one thread per connection
+    assert "Traceback" not in engine.log()
+    figure("half-sent HTTP bodies", connections=len(held) or MAX_CONNECTIONS + 36, threads_before=base,
+           threads_peak=peak.threads, busy_answer_s=seconds)

@@ -17,7 +17,8 @@ from wcache import errors
 from wcache.daemon import launcher
 from wcache.daemon import seed
 from wcache.errors import DAEMON_ERRORS, FALLBACK, REASONS, CacheUnusable
-from wcache.engine.loader import CacheClient, LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
+from wcache.engine.loading.client import CacheClient
 from wcache.wire.protocol import recv_frame, reply, send_frame
 
 ROOT = HERE.parent.parent
@@ -65,10 +66,10 @@ def test_no_two_failure_causes_share_a_message():
 
 
 def refusals() -> dict[str, set[str]]:
-    """Error kind -> the message expressions of every refusal in daemon.py (reply(False, ...) and
+    """Error kind -> the message expressions of every refusal in daemon/rank.py (reply(False, ...) and
     self._refuse(conn, kind, message))."""
     kinds: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse((PACKAGE / "daemon.py").read_text())):
+    for node in ast.walk(ast.parse((PACKAGE / "daemon" / "rank.py").read_text())):
         if not isinstance(node, ast.Call):
             continue
         fn = ast.unparse(node.func)
@@ -89,11 +90,13 @@ def refusals() -> dict[str, set[str]]:
 def test_every_daemon_error_kind_has_its_own_message():
     kinds = refusals()
     assert set(kinds) == {"protocol", "mismatch", "released", "rejected", "busy", "in_use", "release_failed",
-                          "error"}, kinds  # "error": _refuse's own parameter
+                          "unread", "error"}, kinds  # "error": _refuse's own parameter
     kinds.pop("error")
     protocol = kinds.pop("protocol")
     assert protocol == {"str(e)", "DAEMON_ERRORS['bad_get_state'].format(modes=list(MODES))",
                         "DAEMON_ERRORS['unknown_op'].format(op=str(op)[:64])"}
+    # "busy" has two causes, each with its own text: too many connections, too many bytes in flight.
+    assert kinds.pop("busy") == {"message", "DAEMON_ERRORS['busy_bytes'].format(held=e.held, limit=e.limit)"}
     singles = {kind: next(iter(m)) for kind, m in kinds.items()}
     assert all(len(m) == 1 for m in kinds.values()), kinds
     assert len(set(singles.values())) == len(singles), singles
@@ -165,7 +168,7 @@ def table_rows() -> list[dict]:
 def code_strings() -> list[str]:
     """Every string constant of the package, and the literal parts of its f-strings."""
     out = []
-    for f in PACKAGE.glob("*.py"):
+    for f in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 out.append(node.value)

@@ -15,7 +15,6 @@ import errno
 import json
 import logging
 import re
-import socket
 import signal
 import sys
 import threading
@@ -72,6 +71,7 @@ def parse_completion_request(body: bytes, max_model_len: int) -> tuple[str, int]
 class EngineServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # a burst waits in the backlog, not in SYN retries; past MAX_CONNECTIONS it gets a 503
 
     def __init__(self, address, engine, model_name: str):
         self.engine = engine
@@ -172,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
                     return None
                 parts.append(chunk)
                 got += len(chunk)
-        except (TimeoutError, socket.timeout, OSError):
+        except (TimeoutError, OSError):
             return None
         finally:
             try:
@@ -239,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
         })
 
 
-def run_until_signal(server: "EngineServer", on_stop=None) -> None:
+def run_until_signal(server: EngineServer, on_stop=None) -> None:
     """Serve until SIGINT or SIGTERM, then close the listening socket and run ``on_stop``."""
     stop = threading.Event()
 
