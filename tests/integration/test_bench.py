@@ -7,6 +7,7 @@ import json
 import pytest
 from itest import run_cli
 from wcache.bench import render_table
+from wcache.bench_start import ENGINE_PHASES
 
 
 def bench(model, env, repeat: int) -> dict:
@@ -29,8 +30,36 @@ def test_bench_json_has_seconds_and_ratios(tiny_model, wcache_env):
     assert ratios["key_restart_over_disk"] == pytest.approx(s["key_restart"] / s["disk"], rel=0.01, abs=1e-4)
     total = sum(p.stat().st_size for p in tiny_model.iterdir() if p.name != "model.safetensors.index.json")
     assert r["key_first_sight_bytes_hashed"] == total  # the first sight hashes every byte
+    # The restart a user lives through: a real engine process to /health 200, split into phases.
+    e = r["engine_start"]
+    for fmt in ("disk", "ipc_cache"):
+        phases = e[fmt]["phases_s"]
+        assert list(phases) == list(ENGINE_PHASES) and e[fmt]["seconds"] > 0 and len(e[fmt]["samples"]) == 1
+        assert phases["interpreter"] > 0 and phases["imports"] > 0 and phases["weights"] > 0
+        assert phases["cuda_context"] == 0  # a CPU engine creates none
+        assert sum(phases.values()) == pytest.approx(e[fmt]["seconds"], abs=0.01)
+    # The run's first engine start measured the activation peak; every timed start reused it.
+    assert e["ipc_cache"]["phases_s"]["activation_peak"] < 0.5 * e["ipc_cache"]["seconds"]
+    assert e["disk_over_ipc_cache"] == pytest.approx(e["disk"]["seconds"] / e["ipc_cache"]["seconds"], rel=0.02)
+    # A daemon killed under a zero_copy engine: the next one adopts the engine's arena (memfd here).
+    h = r["handback"]
+    assert h["adopted"] is True and h["restart_to_ready_s"] > 0 and h["first_start_to_ready_s"] > 0
     table = render_table(r)
     assert "ipc_cache zero_copy" in table and "cache key: first sight" in table
+    assert "engine start to /health 200" in table and "daemon restart to READY" in table
+
+
+def test_a_daemon_that_fails_to_start_has_its_last_log_lines_printed(tmp_path, wcache_env):
+    """The bench's work directory is gone when it exits: the daemon's own lines must be in its output."""
+    model = tmp_path / "not-a-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    p = run_cli("bench", "--model", str(model), "--device", "cpu", "--repeat", "1", env=wcache_env, timeout=300)
+    assert p.returncode == 2, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    print(p.stderr[-3000:])
+    assert "wcache bench:" in last and "log lines are above" in last
+    assert "daemon: " in p.stderr or "sample" in last
 
 
 @pytest.mark.slow
