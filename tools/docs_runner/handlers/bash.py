@@ -2,9 +2,11 @@
 
 The only text changes are the declared substitutions (tools/substitutions.yaml, printed in the
 summary, off in GPU mode). Around the block the runner adds strict mode (``set -euo pipefail``,
-``set -a`` so assignments carry over) and, on exit, a note of the environment and the current
+``set -a`` so assignments carry over), job control (``set -m``, as in an interactive terminal) and,
+on exit, a note of the environment and the current
 directory, which the page's next block starts from. Background jobs (``cmd &``) stay in the block's
-session and run on after it; the page stops them when it ends (processes.py).
+session and run on after it; the page stops every process of its blocks' sessions when it ends
+(processes.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ __docs_runner_exit() {
 }
 trap __docs_runner_exit EXIT
 set -a
+# Job control, as in the reader's terminal: each background job is a process group of its own, so
+# `kill -- -$PID` stops a launcher with its ranks and `kill %1` works within the block.
+set -m
 # --- the block, as shown on the page ---
 """
 
