@@ -371,6 +371,29 @@ def test_background_jobs_are_stopped_at_the_end_of_the_page(tmp_path: Path) -> N
     assert not [p for p in started if alive(p)]
 
 
+def test_background_jobs_are_process_groups_as_in_a_terminal(tmp_path: Path) -> None:
+    """Job control is on, as in the reader's terminal: `kill -- -$PID` stops a job and its children
+    (a launcher and its ranks), with no rewriting of the command."""
+    pids = tmp_path / "pids"
+    text = f"""
+    # P
+
+    ```bash
+    bash -c 'sleep 300 & echo "$!" > {pids}; wait' > job.log 2>&1 &
+    JOB=$!
+    until test -s {pids}; do sleep 0.1; done
+    test "$(ps -o pgid= -p "$JOB" | tr -d ' ')" = "$JOB"
+    ```
+
+    ```bash
+    kill -- -"$JOB"
+    while kill -0 -- -"$JOB" 2>/dev/null; do sleep 0.1; done
+    ! kill -0 "$(cat {pids})" 2>/dev/null
+    ```
+    """
+    run(tmp_path, text)
+
+
 def test_block_that_hangs_times_out(tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(BlockFailure, match=r"(?s)timed out after 1s.*started"):
