@@ -22,10 +22,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from guide_pages import DOCS, ROOT
 from procs import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs"
 CHROMIUM = Path("/usr/bin/chromium")
 MERMAID_JS = DOCS / "javascripts" / "mermaid.min.js"
 # No sandbox: CI runs as root in a container, where Chromium's sandbox cannot start. The rest keeps
@@ -42,15 +41,6 @@ OPEN_SHADOW_ROOTS = """
 const attach = Element.prototype.attachShadow;
 Element.prototype.attachShadow = function (init) { return attach.call(this, Object.assign({}, init, {mode: "open"})); };
 """
-
-
-def page_paths() -> list[str]:
-    """The URL path of every page of the guide (use_directory_urls: docs/foo.md -> foo/)."""
-    out = []
-    for md in sorted(DOCS.rglob("*.md")):
-        rel = md.relative_to(DOCS).with_suffix("")
-        out.append("" if rel.name == "index" and rel.parent == Path(".") else f"{rel.as_posix()}/")
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,8 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
-from conftest import DOCS, page_paths
+from guide_pages import mermaid_count, page_paths
 
 from wcache.errors import DaemonLockError
 
@@ -39,11 +37,6 @@ MERMAID = """() => [...document.querySelectorAll("div.mermaid")].map(d => {
   const box = svg.getBoundingClientRect();
   return {svg: true, width: box.width, height: box.height, error: /Syntax error|Parse error/.test(svg.textContent)};
 })"""
-
-
-def mermaid_count(path: str) -> int:
-    md = DOCS / ("index.md" if not path else path.rstrip("/") + ".md")
-    return len(re.findall(r"^\s*```mermaid\s*$", md.read_text(encoding="utf-8"), re.MULTILINE))
 
 
 def test_the_guide_has_diagrams():
