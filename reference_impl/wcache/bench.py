@@ -25,22 +25,11 @@ import torch
 
 from wcache import __version__
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.core.fingerprint import RACY_WINDOW_NS, checkpoint_digest
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 
 log = logging.getLogger("wcache.bench")
-
-
-def add_bench_args(p) -> None:
-    p.add_argument("--model", required=True, help="model directory to time")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
-                   help="the daemon's --weight-cache-transport (CUDA only)")
-    p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    p.add_argument("--output", default=None, help="also write the JSON result to this file")
 
 
 def environment(device: str) -> dict:
@@ -66,12 +55,12 @@ def _sync(device: str) -> None:
 def _timed_load(cfg, load_format, lc=None) -> tuple[float, object]:
     _sync(cfg.device)
     t0 = time.perf_counter()
-    weights, report = load_weights(cfg, load_format, lc)
+    loaded = load_weights(cfg, load_format, lc)
     _sync(cfg.device)
     elapsed = time.perf_counter() - t0
-    if report.fallback_reason:
-        raise RuntimeError(f"bench expected the weight cache but the loader fell back: {report.fallback_reason}")
-    return elapsed, (weights, report)
+    if loaded.report.fallback_reason:
+        raise RuntimeError(f"bench expected the weight cache but the loader fell back: {loaded.report.fallback_reason}")
+    return elapsed, loaded
 
 
 def _warm_device(cfg) -> None:
@@ -98,12 +87,12 @@ def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = No
 
 def _sample_main(spec: dict) -> None:
     from wcache.core import disk
-    from wcache.engine import loader  # noqa: F401  (imports are process start-up, outside every sample)
+    from wcache.engine.loading import ipc_cache  # noqa: F401  (imports are process start-up, outside every sample)
 
     cfg = EngineConfig.build(spec["model"], spec["dtype"], None, spec["device"])
     _warm_device(cfg)
     lc = LoaderConfig(**spec["loader"]) if spec["loader"] else None
-    elapsed, (_weights, report) = _timed_load(cfg, spec["load_format"], lc)
+    elapsed, (_weights, report, _lease) = _timed_load(cfg, spec["load_format"], lc)
     print(json.dumps({"seconds": elapsed, "phases": report.phases, "tensors": report.tensors,
                       "nbytes": report.nbytes, "transport": report.transport}))
 

@@ -18,6 +18,18 @@ class PreloadConfigError(UserError):
     pass
 
 
+class DeviceError(UserError):
+    NO_CUDA = "--device cuda was requested but torch sees no CUDA device; use --device cpu, or auto to take what there is"
+
+
+class EngineWorldError(UserError):
+    TEMPLATE = ("Engine rank {rank} cannot form the engine's world at {init_method}: {error}. Is --master-port "
+                "taken? Give the engine a free one")
+
+    def __init__(self, rank: int, init_method: str, error: str):
+        super().__init__(self.TEMPLATE.format(rank=rank, init_method=init_method, error=error))
+
+
 class ParallelConfigError(UserError):
     """A parallel layout or speculative config that cannot run (texts in core/ranks.py, core/speculative.py)."""
 

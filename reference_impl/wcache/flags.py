@@ -49,6 +49,16 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of tokens")
+    return v
+
+
 def _size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -105,7 +115,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
     p.add_argument("--port", type=int, default=8000,
                    help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
                    help="share of the device for weights (the daemon's included), activations and the "

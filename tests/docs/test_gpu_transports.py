@@ -154,7 +154,8 @@ def test_gpu_test_results_are_the_logs():
 def test_quoted_messages_are_the_codes():
     from wcache.wire import cuda_vmm
     from wcache import errors
-    from wcache.engine.loader import LoaderConfigError, parse_loader_config
+    from wcache.errors import LoaderConfigError
+    from wcache.engine.loading.config import parse_loader_config
 
     text = " ".join(page().split())
     assert errors.REASONS["transport"].format(served="cuda_ipc", wanted="vmm_fd") in text

@@ -2,7 +2,7 @@
 
 * Daemon flag table (docs/configuration.md) == ``wcache preload``'s argparse options: names,
   defaults and help.
-* Loader key table == ``wcache.engine.loader.LOADER_KEYS``: names and defaults.
+* Loader key table == ``wcache.engine.loading.config.LOADER_KEYS``: names and defaults.
 * Cache key table (docs/how-it-works.md) == ``wcache.core.fingerprint.KEY_FIELDS``.
 * Environment variable table == the ``WCACHE_*`` variables the package reads.
 * Every generated region (tools/doc_tables.py) and the benchmark SVG (tools/plot_bench.py) equal a
@@ -189,7 +189,7 @@ def loader_rows(text: str) -> dict[str, str]:
 
 
 def test_loader_key_table_is_loader_keys_with_their_defaults():
-    from wcache.engine.loader import LOADER_KEYS
+    from wcache.engine.loading.config import LOADER_KEYS
 
     rows = loader_rows(page("configuration.md"))
     assert set(rows) == set(LOADER_KEYS), f"table {sorted(rows)} != LOADER_KEYS {sorted(LOADER_KEYS)}"

@@ -1,5 +1,5 @@
 """Many engines at once, in one process: N threads released together by a barrier, each running the
-real loader (``wcache.engine.loader.load_from_cache``) against a live daemon, some in zero_copy mode and
+real loader (``wcache.engine.loading.ipc_cache.IpcCacheLoader``) against a live daemon, some in zero_copy mode and
 some in copy mode. (N full `wcache serve` processes would each pay a torch import on a 2-core box.)
 
 Run as ``python storm_clients.py MODEL SOCKET N COPY_EVERY``: every COPY_EVERY-th engine uses copy
@@ -18,7 +18,8 @@ import time
 from wcache.core.config import EngineConfig
 from wcache.errors import UserError
 from wcache.core.fingerprint import cache_key
-from wcache.engine.loader import LoaderConfig, load_from_cache
+from wcache.engine.loading.config import LoaderConfig
+from wcache.engine.loading.ipc_cache import IpcCacheLoader
 
 
 def main() -> int:
@@ -35,11 +36,12 @@ def main() -> int:
         barrier.wait()
         t0 = time.monotonic()
         try:
-            weights, report = load_from_cache(cfg, lc)
+            weights, report, lease = IpcCacheLoader(lc).load(cfg)
         except UserError as e:
             results[i] = {"mode": mode, "error": str(e)}
             return
-        leases.extend(report.keepalive)
+        if lease is not None:
+            leases.append(lease)
         first = next(iter(weights.tensors.values()))
         results[i] = {"mode": mode, "source": report.source, "tensors": report.tensors,
                       "checksum": float(first.float().sum()), "seconds": time.monotonic() - t0}

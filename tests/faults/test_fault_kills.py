@@ -32,9 +32,9 @@ from faultlib import (
 from procs import complete, free_port, http
 from wcache.core import checkpoint
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import FALLBACK, MAPPED, REASONS
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_rank_killed_during_after_and_before_handoffs(fault_procs, fault_env, ti
     os.kill(rank, signal.SIGSTOP)
     try:
         # A hung daemon: the engine's state timeout names it.
-        _, report = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock), state_timeout_s=1.0))
+        _, report, _lease = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock), state_timeout_s=1.0))
         assert report.source == "disk"
         assert report.fallback_reason == REASONS["timeout"].format(path=sock, timeout=1.0)
 
@@ -110,7 +110,7 @@ def test_rank_killed_during_after_and_before_handoffs(fault_procs, fault_env, ti
 
     # Before a handoff: the dead rank's socket is stale; the next engine is refused, says so, and loads from disk.
     assert sock.exists()
-    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock)))
+    _, report, _lease = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock)))
     refused = REASONS["refused"].format(path=sock, error="[Errno 111] Connection refused")
     assert report.source == "disk" and report.fallback_reason == refused
     assert FALLBACK.format(reason=refused) in caplog.text
@@ -156,7 +156,7 @@ def test_engine_killed_mid_copy_leaves_the_daemon_serving(fault_procs, fault_env
     TALLY.leaked_fds += leaked
     assert leaked == 0
     cfg = EngineConfig.build(str(mid_model), "auto", None, "cpu")
-    weights, report = load_weights(cfg, "ipc_cache", LoaderConfig(mode="copy", fallback=False, socket_path=str(sock)))
+    weights, report, lease = load_weights(cfg, "ipc_cache", LoaderConfig(mode="copy", fallback=False, socket_path=str(sock)))
     assert report.source == "the weight cache (copy)" and report.nbytes == held["weights_bytes"]
     assert MAPPED.format(count=len(weights.tensors), mode="copy") in caplog.text
     daemon.wait_for_log("Released the cached weights at an engine's request (copy mode)", timeout=10)

@@ -48,9 +48,10 @@ from procs import free_port, http
 from wcache.daemon import seed
 from wcache.core.config import EngineConfig
 from wcache.daemon.rank import MAX_CLIENTS, REQUEST_TIMEOUT_S
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import DAEMON_ERRORS, FALLBACK, REASONS, SEED_BUSY
-from wcache.engine.loader import LoaderConfig, load_from_cache
+from wcache.engine.loading.config import LoaderConfig
+from wcache.engine.loading.ipc_cache import IpcCacheLoader
 from wcache.model.llama import bind_weights, build_meta_model
 from wcache.wire.protocol import request
 
@@ -96,12 +97,11 @@ def cfg(tiny_model):
 def lease(sock, cfg):
     """The suite's own zero_copy engine, mapped for the whole module: no release may succeed while
     it lives, whatever the fuzzer sends."""
-    _, report = load_from_cache(cfg, LoaderConfig(socket_path=str(sock), fallback=False))
+    _, report, lease = IpcCacheLoader(LoaderConfig(socket_path=str(sock), fallback=False)).load(cfg)
     assert report.source == "the weight cache (zero_copy)"
     report.t0 = time.monotonic()
     yield report
-    for lease in report.keepalive:
-        lease.close()
+    lease.close()
 
 
 def healthy(ports) -> bool:
@@ -161,7 +161,7 @@ def test_a_full_daemon_refuses_with_busy_and_a_waiting_engine_gets_in(daemon, ra
             idle.append(s)
         wait_until(lambda: thread_count(rank) >= threads + MAX_CLIENTS - 1, 30, "the daemon to take every slot")
         busy = REASONS["busy"].format(path=sock, detail=DAEMON_ERRORS["busy"].format(max=MAX_CLIENTS))
-        _, report = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock)))
+        _, report, _lease = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock)))
         assert report.source == "disk" and report.fallback_reason == busy
         assert FALLBACK.format(reason=busy) in caplog.text
         daemon.wait_for_log(f"(busy): {DAEMON_ERRORS['busy'].format(max=MAX_CLIENTS)}", timeout=10)
@@ -169,7 +169,7 @@ def test_a_full_daemon_refuses_with_busy_and_a_waiting_engine_gets_in(daemon, ra
         # Without fallback the engine waits (busy is worth waiting for) and gets in once slots free up.
         got = {}
         waiter = threading.Thread(target=lambda: got.update(
-            r=load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock), fallback=False, state_timeout_s=60))[1]))
+            r=load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock), fallback=False, state_timeout_s=60))))
         waiter.start()
         time.sleep(1.0)
         assert waiter.is_alive(), "the engine should still be waiting for a free slot"
@@ -177,9 +177,8 @@ def test_a_full_daemon_refuses_with_busy_and_a_waiting_engine_gets_in(daemon, ra
         for s in idle:
             s.close()
     waiter.join(60)
-    assert got["r"].source == "the weight cache (zero_copy)"
-    for held in got["r"].keepalive:
-        held.close()
+    assert got["r"].report.source == "the weight cache (zero_copy)"
+    got["r"].close()
     assert settle(rank, threads, thread_count) == 0
     check_daemon(daemon, rank, ports)
 
@@ -323,8 +322,8 @@ def test_release_under_an_idle_zero_copy_lease_is_refused(daemon, rank, sock, le
 
 
 def test_after_everything_a_real_engine_still_gets_bit_identical_weights(daemon, rank, sock, cfg, ports):
-    weights, report = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock), fallback=False))
-    disk, _ = load_weights(cfg, "safetensors")
+    weights, report, lease = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=str(sock), fallback=False))
+    disk, _, _lease = load_weights(cfg, "safetensors")
     try:
         assert report.source == "the weight cache (zero_copy)"
         outputs = []
@@ -333,6 +332,5 @@ def test_after_everything_a_real_engine_still_gets_bit_identical_weights(daemon,
             outputs.append(model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT))))
         assert torch.equal(*outputs)
     finally:
-        for held in report.keepalive:
-            held.close()
+        lease.close()
     check_daemon(daemon, rank, ports)

@@ -1,7 +1,7 @@
 """A running daemon's socket and socket directory tampered with, and engines of another uid.
 
-The engine checks what it connects to (no symlinks, its own uid's socket, its own directory); the
-daemon checks who connects (SO_PEERCRED) and, on shutdown, removes only the socket it bound. The
+The engine checks what it connects to (no symlinks, its own uid's socket, its own directory, a
+listening process of its own uid); the daemon checks who connects (SO_PEERCRED) and, on shutdown, removes only the socket it bound. The
 daemon keeps serving through all of it: once the tampering is undone, engines map again.
 """
 
@@ -22,9 +22,9 @@ import pytest
 from faultlib import TALLY, alive, default_socket, rank_pids
 from procs import free_port, http
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import FALLBACK, REASONS, SocketSecurityError, WeightCacheError
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +50,9 @@ def cfg(tiny_model):
 
 def maps_again(cfg, daemon, port) -> None:
     """The daemon served all along: an engine maps, and its health is 200."""
-    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(fallback=False, state_timeout_s=10))
+    _, report, lease = load_weights(cfg, "ipc_cache", LoaderConfig(fallback=False, state_timeout_s=10))
     assert report.source == "the weight cache (zero_copy)"
-    for lease in report.keepalive:
-        lease.close()
+    lease.close()
     assert http("GET", f"http://127.0.0.1:{port}/health")[0] == 200
     assert alive(rank_pids(daemon.pid)[0])
 
@@ -66,7 +65,7 @@ def test_socket_replaced_by_a_symlink_or_a_file_after_start(daemon, sock, cfg, p
     try:
         os.symlink(aside, sock)
         unsafe = REASONS["unsafe_socket"].format(path=sock, error=f"{sock} is a symlink")
-        _, report = load_weights(cfg, "ipc_cache", LoaderConfig())
+        _, report, _lease = load_weights(cfg, "ipc_cache", LoaderConfig())
         assert report.source == "disk" and report.fallback_reason == unsafe
         assert FALLBACK.format(reason=unsafe) in caplog.text
         with pytest.raises(WeightCacheError) as err:  # not worth waiting for: fails at once
@@ -74,7 +73,7 @@ def test_socket_replaced_by_a_symlink_or_a_file_after_start(daemon, sock, cfg, p
         assert str(err.value) == unsafe
         os.unlink(sock)
         sock.write_text("")
-        _, report = load_weights(cfg, "ipc_cache", LoaderConfig())
+        _, report, _lease = load_weights(cfg, "ipc_cache", LoaderConfig())
         assert report.fallback_reason == REASONS["unsafe_socket"].format(path=sock, error=f"{sock} is not a socket")
     finally:
         if os.path.lexists(sock):
@@ -105,13 +104,20 @@ def test_socket_dir_replaced_by_a_symlink_after_start(daemon, sock, cfg, port):
 OTHER_UID_ENGINE = r"""
 import json, os, sys
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import load_weights
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.registry import load_weights
+from wcache.engine.loading.config import LoaderConfig
 cfg = EngineConfig.build(sys.argv[1], "auto", None, "cpu")
 for _ in range(2):
-    _, r = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=sys.argv[2]))
+    _, r, _lease = load_weights(cfg, "ipc_cache", LoaderConfig(socket_path=sys.argv[2]))
     print(json.dumps({"uid": os.getuid(), "source": r.source, "reason": r.fallback_reason}), flush=True)
     sys.stdin.readline()
+# A client that skips the engine's checks and asks anyway: the daemon's own check answers.
+import socket
+from wcache.wire.protocol import recv_frame, request, send_frame
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sys.argv[2])
+    send_frame(s, request("get_state", key={}, mode="zero_copy"))
+    print(json.dumps(recv_frame(s)[0]), flush=True)
 """
 
 
@@ -144,13 +150,19 @@ def test_an_engine_of_another_uid_is_refused_on_both_sides(daemon, sock, cfg, po
         first = json.loads(engine.stdout.readline() or "null")
         assert first == {"uid": other, "source": "disk", "reason": REASONS["unsafe_socket"].format(
             path=sock, error=f"{sock} is owned by uid 0, not {other}")}, engine.stderr.read() if not first else first
-        # Second line, the daemon's: even a socket the engine's uid owns is answered by a daemon that
-        # checks the peer's uid (SO_PEERCRED) and refuses it.
+        # Second line, the engine's again: a socket the engine's uid owns, served by a process of
+        # another uid (SO_PEERCRED), is refused before any request.
         os.chown(sock, other, other)
         engine.stdin.write("\n")
         engine.stdin.flush()
         second = json.loads(engine.stdout.readline() or "null")
-        assert second == {"uid": other, "source": "disk", "reason": REASONS["rejected"].format(uid=other)}, second
+        assert second == {"uid": other, "source": "disk", "reason": REASONS["untrusted_peer"].format(
+            path=sock, pid=rank_pids(daemon.pid)[0], uid=0, owner=other, own=other)}, second
+        # Third line, the daemon's: it checks the peer's uid (SO_PEERCRED) and refuses it.
+        engine.stdin.write("\n")
+        engine.stdin.flush()
+        third = json.loads(engine.stdout.readline() or "null")
+        assert third["error"] == "rejected" and third["message"] == REASONS["rejected"].format(uid=other), third
         engine.stdin.close()
         assert engine.wait(60) == 0, engine.stderr.read()
     finally:

@@ -14,8 +14,8 @@ import sys
 
 import torch
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import load_weights
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.registry import load_weights
+from wcache.engine.loading.config import LoaderConfig
 from wcache.model.llama import bind_weights, build_meta_model
 
 
@@ -44,7 +44,7 @@ def main() -> int:
     model = build_meta_model(cfg.shape, cfg.quant, cfg.dtype)
     torch.zeros(1) + 1  # torch's own lazy allocations happen before the baseline
     before = memory()
-    weights, report = load_weights(cfg, args.load_format, lc)
+    weights, report, lease = load_weights(cfg, args.load_format, lc)
     loaded = memory()
     bind_weights(model, weights.bindable())
     # Touch every page of every weight, as inference would.

@@ -41,11 +41,11 @@ def fallback_reason(cfg, caplog, **loader) -> str:
     """Load with the ipc_cache loader, expect a disk fallback, and return its logged reason."""
     import logging
 
-    from wcache.engine.engine import load_weights
-    from wcache.engine.loader import LoaderConfig
+    from wcache.engine.loading.registry import load_weights
+    from wcache.engine.loading.config import LoaderConfig
 
     caplog.set_level(logging.INFO, "wcache.engine.loader")
-    _, report = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
+    _, report, _lease = load_weights(cfg, "ipc_cache", LoaderConfig(**loader))
     assert report.source == "disk", "the engine should have loaded from disk"
     assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text
     return report.fallback_reason

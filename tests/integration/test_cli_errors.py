@@ -18,8 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from procs import free_port
 from wcache import cli
-from wcache.errors import ServeAddressError, SocketSecurityError, UnsupportedQuantForIPCError
-from wcache.engine.loader import LOADER_KEYS
+from wcache.errors import (
+    DeviceError,
+    EngineWorldError,
+    ServeAddressError,
+    SocketSecurityError,
+    UnsupportedQuantForIPCError,
+)
+from wcache.engine.loading.config import LOADER_KEYS
 
 GPTQ = UnsupportedQuantForIPCError.TEMPLATE.format(method="gptq")
 
@@ -134,3 +140,40 @@ def test_serve_on_a_taken_port_says_so_in_one_line(tiny_model, module_env):
     out = p.stdout + p.stderr
     check(p.returncode, out, ServeAddressError.IN_USE.format(host="127.0.0.1", port=port))
     assert len([ln for ln in out.splitlines() if ln.strip()]) == 1, out
+
+
+def one_line_error(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith(("ERROR", "CRITICAL")) or "Error" in ln]
+
+
+def test_serve_on_cuda_without_a_gpu_says_so_in_one_line(tiny_model, module_env):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device: --device cuda is not an error here")
+    p = subprocess.run([sys.executable, "-m", "wcache.cli", *serve(tiny_model, "--device", "cuda")],
+                       check=False, env=module_env, capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    check(p.returncode, out, DeviceError.NO_CUDA)
+    assert len([ln for ln in out.splitlines() if ln.strip()]) == 1, out
+
+
+def test_serve_tp2_on_a_taken_master_port_says_so_in_one_line(tiny_model, module_env):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "wcache.cli", *serve(tiny_model, "-tp", "2", "--master-addr",
+                                                                       "127.0.0.1", "--master-port", str(port))],
+                           check=False, env=module_env, capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    message = EngineWorldError.TEMPLATE.split("{error}")[0].format(rank=0, init_method=f"tcp://127.0.0.1:{port}")
+    check(p.returncode, out, message)
+    assert len(one_line_error(out)) == 1, out  # the INFO lines before it say what was starting
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many"])
+def test_serve_refuses_a_max_model_len_that_is_not_positive(main, tiny_model, value):
+    with pytest.raises(SystemExit) as e:  # argparse: usage, then the error, status 2
+        main(*serve(tiny_model, "--max-model-len", value))
+    assert e.value.code == 2

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from procs import free_port, http
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import WeightCacheError
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.wire.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 
@@ -49,17 +49,17 @@ def sock(daemon, module_env):
 
 
 def forward(model_dir, lc=None, load_format="ipc_cache", dtype="auto", quantization=None):
-    """Load like the engine does, bind, and run: (logits, greedy ids, report)."""
+    """Load like the engine does, bind, and run: (logits, greedy ids, report, lease)."""
     cfg = EngineConfig.build(str(model_dir), dtype, quantization, "cpu")
-    weights, report = load_weights(cfg, load_format, lc)
+    weights, report, lease = load_weights(cfg, load_format, lc)
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
     logits = model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT)))
     ids = generate(model, PROMPT, 8)
-    return logits, ids, report
+    return logits, ids, report, lease
 
 
-def close(report) -> None:
-    for lease in report.keepalive:
+def close(lease) -> None:
+    if lease is not None:
         lease.close()
 
 
@@ -177,8 +177,8 @@ def test_fuzzed_frames_never_take_the_daemon_down(daemon, sock, data):
 
 def test_zero_copy_engine_is_bit_identical_to_disk_and_holds_a_lease(daemon, sock, tiny_model, caplog):
     caplog.set_level(logging.INFO, "wcache.engine.loader")
-    disk_logits, disk_ids, disk = forward(tiny_model, load_format="safetensors")
-    logits, ids, report = forward(tiny_model, LoaderConfig(fallback=False))
+    disk_logits, disk_ids, disk, _lease = forward(tiny_model, load_format="safetensors")
+    logits, ids, report, lease = forward(tiny_model, LoaderConfig(fallback=False))
     try:
         assert "Mapped 27 tensors from the weight cache daemon (zero_copy mode)" in caplog.text
         assert report.source == "the weight cache (zero_copy)" and report.fallback_reason is None
@@ -186,17 +186,17 @@ def test_zero_copy_engine_is_bit_identical_to_disk_and_holds_a_lease(daemon, soc
         assert torch.equal(logits, disk_logits) and ids == disk_ids
         assert call(sock, "get_memory")["zero_copy_engines"] == 1
     finally:
-        close(report)
+        close(lease)
     assert call(sock, "get_memory")["zero_copy_engines"] == 0
 
 
 def test_key_mismatch_falls_back_with_the_differing_fields(daemon, sock, tiny_model, caplog):
     caplog.set_level(logging.INFO, "wcache.engine.loader")
-    _, _, report = forward(tiny_model, LoaderConfig(), dtype="float32")
+    _, _, report, _lease = forward(tiny_model, LoaderConfig(), dtype="float32")
     assert report.source == "disk" and report.fallback_reason == "WeightCacheKey mismatch on fields: ['dtype']"
     assert ("Weight cache unusable (WeightCacheKey mismatch on fields: ['dtype']); falling back to disk loading"
             in caplog.text)
-    _, _, report = forward(tiny_model, LoaderConfig(), quantization="int8")
+    _, _, report, _lease = forward(tiny_model, LoaderConfig(), quantization="int8")
     assert report.fallback_reason == "WeightCacheKey mismatch on fields: ['quantization', 'quantization_config']"
     with pytest.raises(WeightCacheError, match=r"^WeightCacheKey mismatch on fields: \['dtype'\]$"):
         forward(tiny_model, LoaderConfig(fallback=False), dtype="float32")  # not worth waiting for
@@ -207,13 +207,13 @@ def test_a_symlinked_or_foreign_socket_path_is_refused(daemon, sock, tiny_model,
     caplog.set_level(logging.INFO, "wcache.engine.loader")
     link = tmp_path / "link.sock"
     link.symlink_to(sock)
-    _, _, report = forward(tiny_model, LoaderConfig(socket_path=str(link)))
+    _, _, report, _lease = forward(tiny_model, LoaderConfig(socket_path=str(link)))
     assert report.source == "disk"
     assert report.fallback_reason == f"Weight cache socket {link} is unavailable: {link} is a symlink"
     assert f"Weight cache unusable ({report.fallback_reason}); falling back to disk loading" in caplog.text
     plain = tmp_path / "plain.sock"
     plain.write_text("")
-    _, _, report = forward(tiny_model, LoaderConfig(socket_path=str(plain)))
+    _, _, report, _lease = forward(tiny_model, LoaderConfig(socket_path=str(plain)))
     assert report.fallback_reason == f"Weight cache socket {plain} is unavailable: {plain} is not a socket"
 
 

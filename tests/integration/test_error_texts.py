@@ -18,9 +18,9 @@ from itest import fallback_reason  # the cfg fixture comes from conftest
 from wcache.core.config import Ranks
 from wcache.daemon.rank import MAX_SOCKET_PATH, SOCKET_PATH_TOO_LONG, RankDaemon
 from wcache.core.device import device_identity
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import UnsupportedPlatformForIPCError, UserError
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 from wcache.wire.protocol import recv_frame, reply, send_frame
 from wcache.wire.sockets import socket_name
 
@@ -72,9 +72,9 @@ def test_memory_the_kernel_refuses_to_map_is_named(cfg, caplog, answer_once, tmp
 
 
 def test_a_transport_other_than_the_loaders_is_named(cfg, caplog, answer_once):
-    path = answer_once({"kind": "cuda_vmm_fd", "size": 4096})
+    path = answer_once({"kind": "vmm_fd", "size": 4096})
     reason = fallback_reason(cfg, caplog, socket_path=path, transport="cuda_ipc")
-    assert reason == "The weight cache daemon serves a cuda_vmm_fd arena but the loader requires transport cuda_ipc"
+    assert reason == "The weight cache daemon serves a vmm_fd arena but the loader requires transport cuda_ipc"
 
 
 def test_a_socket_dir_too_long_for_a_unix_socket_is_refused_before_binding(tiny_model, tmp_path):

@@ -14,14 +14,14 @@ import time
 import pytest
 from itest import fallback_reason  # the cfg fixture comes from conftest
 from wcache.core.device import device_identity
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import (
     REASONS,
     SocketSecurityError,
     WeightCacheError,
     WeightCacheTimeoutError,
 )
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 from wcache.wire.protocol import recv_frame, reply, send_frame
 from wcache.wire.sockets import socket_name
 

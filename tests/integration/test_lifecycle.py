@@ -11,31 +11,31 @@ import torch
 from itest import call, default_socket, rank_pids, wait_until
 from procs import free_port, http
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import load_weights
+from wcache.engine.loading.registry import load_weights
 from wcache.errors import WeightCacheError, WeightCacheTimeoutError
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.config import LoaderConfig
 from wcache.model.llama import bind_weights, build_meta_model
 
 PROMPT = [256, *b"restart me"]
 
 
 def load(model_dir, caplog=None, **loader):
-    """(logits, report) for an engine loading with these loader keys."""
+    """(logits, report, lease) for an engine loading with these loader keys."""
     cfg = EngineConfig.build(str(model_dir), "auto", None, "cpu")
-    weights, report = load_weights(cfg, "ipc_cache" if loader is not None else "safetensors", LoaderConfig(**loader))
+    weights, report, lease = load_weights(cfg, "ipc_cache" if loader is not None else "safetensors", LoaderConfig(**loader))
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
-    return model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT))), report
+    return model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT))), report, lease
 
 
 def disk_logits(model_dir):
     cfg = EngineConfig.build(str(model_dir), "auto", None, "cpu")
-    weights, _ = load_weights(cfg, "safetensors")
+    weights, _, _lease = load_weights(cfg, "safetensors")
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
     return model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT)))
 
 
-def release(report):
-    for lease in report.keepalive:
+def release(lease):
+    if lease is not None:
         lease.close()
 
 
@@ -54,7 +54,7 @@ def test_a_killed_rank_leaves_a_stale_socket_that_the_next_daemon_recovers(procs
     assert sock.exists() and os.path.exists(f"{sock}.lock")  # nobody removed them
 
     refused = f"Cannot connect to weight cache daemon at {sock}: [Errno 111] Connection refused"
-    _, report = load(tiny_model)
+    _, report, _lease = load(tiny_model)
     assert report.source == "disk" and report.fallback_reason == refused
     assert f"Weight cache unusable ({refused}); falling back to disk loading" in caplog.text
     with pytest.raises(WeightCacheTimeoutError) as err:  # a refused socket is worth waiting for
@@ -64,12 +64,12 @@ def test_a_killed_rank_leaves_a_stale_socket_that_the_next_daemon_recovers(procs
 
     second = procs.preload(tiny_model)
     assert f"Removing stale socket {sock} left by a previous daemon" in second.log()
-    logits, report = load(tiny_model, fallback=False)
+    logits, report, lease = load(tiny_model, fallback=False)
     try:
         assert report.source == "the weight cache (zero_copy)"
         assert torch.equal(logits, disk_logits(tiny_model))
     finally:
-        release(report)
+        release(lease)
 
 
 def test_copy_mode_releases_the_daemon_and_sigterm_removes_the_socket(procs, tiny_model, wcache_env, caplog):
@@ -80,25 +80,25 @@ def test_copy_mode_releases_the_daemon_and_sigterm_removes_the_socket(procs, tin
     expected = disk_logits(tiny_model)
 
     # While a zero_copy engine maps the weights, a copy-mode engine gets its copy but no release.
-    zero, zero_report = load(tiny_model, fallback=False)
-    copy, report = load(tiny_model, fallback=False, mode="copy")
+    zero, zero_report, zero_lease = load(tiny_model, fallback=False)
+    copy, report, lease = load(tiny_model, fallback=False, mode="copy")
     assert ("The daemon kept its copy of the weights: protocol error from the weight cache daemon: in_use: "
             "release refused: 1 engine(s) still map the weights in zero_copy mode") in caplog.text
-    release(zero_report)
+    release(zero_lease)
     wait_until(lambda: call(sock, "get_memory")["zero_copy_engines"] == 0, 10, "the zero_copy lease to end")
     assert call(sock, "get_memory")["released"] is False
     assert torch.equal(zero, expected) and torch.equal(copy, expected)
 
     caplog.clear()
-    copy, report = load(tiny_model, fallback=False, mode="copy")
+    copy, report, lease = load(tiny_model, fallback=False, mode="copy")
     assert "Mapped 27 tensors from the weight cache daemon (copy mode)" in caplog.text
-    assert report.source == "the weight cache (copy)" and report.external_bytes == 0 and not report.keepalive
+    assert report.source == "the weight cache (copy)" and report.external_bytes == 0 and lease is None
     assert torch.equal(copy, expected)
     daemon.wait_for_log("Released the cached weights at an engine's request (copy mode)", timeout=10)
     memory = call(sock, "get_memory")
     assert memory["released"] is True and memory["weights_bytes"] == 0
 
-    _, report = load(tiny_model)  # the next engine: released, so disk
+    _, report, _lease = load(tiny_model)  # the next engine: released, so disk
     assert report.source == "disk" and report.fallback_reason == "Weights were released"
     assert "Weight cache unusable (Weights were released); falling back to disk loading" in caplog.text
     with pytest.raises(WeightCacheError, match="^Weights were released$"):

@@ -12,8 +12,8 @@ from itest import call, wait_until
 from procs import READY
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
-from wcache.engine.engine import load_weights
-from wcache.engine.loader import LoaderConfig
+from wcache.engine.loading.registry import load_weights
+from wcache.engine.loading.config import LoaderConfig
 from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.wire.sockets import socket_name
 
@@ -36,10 +36,10 @@ def daemons(module_procs, module_env, tiny_tied_model, tiny_model):
 
 def run(model_dir, quantization, load_format, lc=None):
     cfg = EngineConfig.build(str(model_dir), "auto", quantization, "cpu")
-    weights, report = load_weights(cfg, load_format, lc)
+    weights, report, lease = load_weights(cfg, load_format, lc)
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
     logits = model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT)))
-    return logits, generate(model, PROMPT, 8), weights, report
+    return logits, generate(model, PROMPT, 8), weights, report, lease
 
 
 @pytest.mark.parametrize("variant", ["tied", "int8"])
@@ -48,9 +48,9 @@ def test_disk_zero_copy_and_copy_are_bit_identical(daemons, variant, caplog):
     model_dir, quant, socket_dir = daemons[variant]
     sock = socket_dir / socket_name(device_identity("cpu", 0))
 
-    disk_logits, disk_ids, _, _ = run(model_dir, quant, "safetensors")
+    disk_logits, disk_ids, _, _, _ = run(model_dir, quant, "safetensors")
     lc = {"fallback": False, "socket_dir": str(socket_dir)}
-    zero_logits, zero_ids, weights, report = run(model_dir, quant, "ipc_cache", LoaderConfig(**lc))
+    zero_logits, zero_ids, weights, report, lease = run(model_dir, quant, "ipc_cache", LoaderConfig(**lc))
     try:
         assert report.source == "the weight cache (zero_copy)"
         # What the daemon sent (the manifest as the engine decoded it): tied weights once plus an
@@ -67,11 +67,10 @@ def test_disk_zero_copy_and_copy_are_bit_identical(daemons, variant, caplog):
             assert "layers.0.attn.qkv.weight" not in sent and len(sent) == 3 + 4 * (2 + 4 * 2)
         n = len(sent)
     finally:
-        for lease in report.keepalive:
-            lease.close()
+        lease.close()
     # The daemon drops the lease when it sees the connection close; until then it refuses a release.
     wait_until(lambda: call(sock, "get_memory")["zero_copy_engines"] == 0, 10, "the zero_copy lease to end")
-    copy_logits, copy_ids, _, report = run(model_dir, quant, "ipc_cache", LoaderConfig(mode="copy", **lc))
+    copy_logits, copy_ids, _, report, _ = run(model_dir, quant, "ipc_cache", LoaderConfig(mode="copy", **lc))
     assert report.source == "the weight cache (copy)"
     assert f"Mapped {n} tensors from the weight cache daemon (zero_copy mode)" in caplog.text
     assert f"Mapped {n} tensors from the weight cache daemon (copy mode)" in caplog.text

@@ -24,10 +24,11 @@ from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
 from wcache.daemon.launcher import STARTUP_FAILED
-from wcache.engine.loader import LoaderConfig, load_from_cache
+from wcache.engine.loading.config import LoaderConfig
+from wcache.engine.loading.ipc_cache import IpcCacheLoader
 from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.wire.sockets import DaemonLock, prepare_socket_dir, socket_name
-from wcache.engine.workers import WORKERS_EXITED
+from wcache.engine.supervisor import WORKERS_EXITED
 
 NO_TUNE = "--no-enable-autotune"
 PROMPT = "Hello"
@@ -72,11 +73,10 @@ def loader_json(**kw) -> str:
 def cached_weights(model, r: Ranks, draft: bool = False, socket_dir=None) -> dict[str, torch.Tensor]:
     """One rank's tensors as its daemon serves them (mapped into this process, then copied)."""
     cfg = EngineConfig.build(str(model), device="cpu", ranks=r)
-    weights, report = load_from_cache(cfg, LoaderConfig(fallback=False, state_timeout_s=10,
-                                                        socket_dir=str(socket_dir) if socket_dir else None), draft)
+    lc = LoaderConfig(fallback=False, state_timeout_s=10, socket_dir=str(socket_dir) if socket_dir else None)
+    weights, _, lease = IpcCacheLoader(lc, draft).load(cfg)
     out = {n: t.clone() for n, t in weights.bindable().items()}
-    for lease in report.keepalive:
-        lease.close()
+    lease.close()
     return out
 
 

@@ -9,6 +9,8 @@ Pipeline parallelism hands the exact hidden states from stage to stage, so PP=2 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,8 +18,11 @@ from procs import free_port
 from wcache.model import tokenizer
 from wcache.core.checkpoint import make_checkpoint
 from wcache.cli import build_parser
-from wcache.engine.loader import parse_loader_config
-from wcache.engine.workers import OP_GENERATE, OP_STOP, RankRunner, rank_specs, spawn_worker
+from wcache.errors import KVCacheBudgetError
+from wcache.engine.loading.config import parse_loader_config
+from wcache.engine.engine import rank_specs
+from wcache.engine.runner import OP_GENERATE, OP_STOP, RankRunner
+from wcache.engine.supervisor import spawn_worker
 
 TP_ATOL = 1e-5  # logits of this model are O(1); float32 reordering moves them by about 2e-7
 PROMPT = tokenizer.encode("The weight cache keeps")
@@ -29,22 +34,16 @@ def model32(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ranks-engine") / "tiny32", "tiny", dtype="float32")
 
 
-def drive(model, *flags: str) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and per-step logits of an engine whose rank 0 is this process."""
+@contextmanager
+def engine(model, *flags: str):
+    """(rank 0's started runner, the worker processes) of an engine whose rank 0 is this process."""
     args = build_parser().parse_args(["serve", str(model), "--device", "cpu", "--master-port", str(free_port()),
                                       "--no-enable-autotune", *flags])
     _, specs = rank_specs(args, parse_loader_config(None))
     workers = [spawn_worker(s) for s in specs[1:]]
     try:
-        runner = RankRunner(specs[0])
-        runner.join()
-        runner.load()
-        runner.trace = []
-        runner.send_request(OP_GENERATE, PROMPT, STEPS)
-        out = runner.decode(PROMPT, STEPS, None)
-        runner.send_request(OP_STOP)
-        assert [w.wait(60) for w in workers] == [0] * len(workers)  # every worker stopped cleanly
-        return out, runner.trace
+        runner = RankRunner.from_spec(specs[0])
+        yield runner, workers
     finally:
         for w in workers:
             if w.poll() is None:
@@ -52,6 +51,22 @@ def drive(model, *flags: str) -> tuple[list[int], list[torch.Tensor]]:
                 w.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def generate_and_stop(runner, workers, prompt: list[int], steps: int) -> list[int]:
+    runner.send_request(OP_GENERATE, prompt, steps)
+    out = runner.decode(prompt, steps, None)
+    runner.send_request(OP_STOP)
+    assert [w.wait(60) for w in workers] == [0] * len(workers)  # every worker stopped cleanly
+    return out
+
+
+def drive(model, *flags: str) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and per-step logits of an engine whose rank 0 is this process."""
+    with engine(model, *flags) as (runner, workers):
+        runner.start()
+        runner.trace = []
+        return generate_and_stop(runner, workers, PROMPT, STEPS), runner.trace
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +86,30 @@ def test_pp2_is_bit_identical_to_tp1(model32, tp1):
     tokens, logits = drive(model32, "--pipeline-parallel-size", "2")
     assert tokens == tp1[0]
     assert len(logits) == STEPS and all(torch.equal(a, b) for a, b in zip(logits, tp1[1]))
+
+
+def test_tp2_every_rank_sizes_its_kv_cache_from_the_memory_flags(model32):
+    """--gpu-memory-utilization and --cpu-memory-capacity reach every rank: each splits its own
+    budget (memory.py), the ranks agree on the engine's length, and a length that does not fit is
+    refused on every rank (the worker exits 2, as the serve process does)."""
+    with engine(model32, "-tp", "2", "--cpu-memory-capacity", "64GiB") as (runner, workers):
+        runner.start()  # a probe: this rank's weights, activation peak and KV bytes per token
+        probe = runner.memory
+        generate_and_stop(runner, workers, PROMPT, 1)
+    assert probe.capacity == 64 * 2**30 and probe.utilization == 0.9
+    # Room for exactly 100 tokens in half of the capacity; both TP ranks hold the same shard sizes.
+    capacity = 2 * (probe.own_weights + probe.activation_peak + 100 * probe.kv_bytes_per_token) + 34
+    flags = ("-tp", "2", "--gpu-memory-utilization", "0.5", "--cpu-memory-capacity", str(capacity))
+    with engine(model32, *flags) as (runner, workers):
+        runner.start()
+        assert (runner.memory.capacity, runner.memory.utilization) == (capacity, 0.5)
+        assert runner.memory.kv_tokens == 100 and runner.max_model_len == 100
+        assert sum(k.nbytes + v.nbytes for k, v in runner.kv_cache) == 100 * probe.kv_bytes_per_token
+        # The longest request the engine accepts runs on both ranks, in their 100-token caches.
+        assert len(generate_and_stop(runner, workers, PROMPT, 100 - len(PROMPT))) == 100 - len(PROMPT)
+    # The activation peak is the probe's at the model's own length (512): room for 100 tokens again.
+    with engine(model32, *flags, "--max-model-len", "512") as (runner, workers):
+        with pytest.raises(KVCacheBudgetError, match="--max-model-len 512 needs 512 KV cache tokens but the memory "
+                                                     "budget holds 100"):
+            runner.start()
+        assert [w.wait(60) for w in workers] == [2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wcache.errors import LoaderConfigError
-from wcache.engine.loader import LOADER_KEYS, LoaderConfig, parse_loader_config
+from wcache.engine.loading.config import LOADER_KEYS, LoaderConfig, parse_loader_config
 
 # Upstream's table (shared/reference/upstream-behaviour.md, "Loader keys").
 UPSTREAM = {"mode": "zero_copy", "fallback": True, "socket_dir": None, "socket_path": None,

@@ -9,6 +9,7 @@ from wcache.engine import memory
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.engine.engine import Engine
+from wcache.engine.runner import EngineOptions
 from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
 from wcache.model.llama import bind_weights, build_meta_model
 
@@ -107,12 +108,12 @@ def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
     cfg = EngineConfig.build(str(tiny_model), device="cpu")
     weights = load_processed(cfg, False).nbytes
     per_token = memory.kv_bytes_per_token(cfg.shape, cfg.dtype)
-    probe = Engine(cfg, "safetensors", enable_autotune=False)
+    probe = Engine.start(cfg, EngineOptions("safetensors", enable_autotune=False))
     act = probe.memory.activation_peak
     assert probe.max_model_len == 512 and probe.memory.own_weights == weights and probe.memory.external_weights == 0
     capacity = weights + act + 100 * per_token + 17  # room for exactly 100 tokens at utilization 1.0
-    engine = Engine(cfg, "safetensors", cpu_memory_capacity=capacity, gpu_memory_utilization=1.0,
-                    enable_autotune=False)
+    engine = Engine.start(cfg, EngineOptions("safetensors", cpu_memory_capacity=capacity, gpu_memory_utilization=1.0,
+                                             enable_autotune=False))
     assert engine.memory.kv_tokens == 100 and engine.max_model_len == 100
     assert sum(k.nbytes + v.nbytes for k, v in engine.kv_cache) == 100 * per_token
     _, ids, _, n_prompt = engine.complete("Hello", 10)
@@ -120,5 +121,5 @@ def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
     # Asking for 512 explicitly (the activation peak is the same as the probe's) is an error, not a cap.
     with pytest.raises(KVCacheBudgetError, match="--max-model-len 512 needs 512 KV cache tokens but the memory "
                                                  "budget holds 100"):
-        Engine(cfg, "safetensors", max_model_len=512, cpu_memory_capacity=capacity, gpu_memory_utilization=1.0,
-               enable_autotune=False)
+        Engine.start(cfg, EngineOptions("safetensors", max_model_len=512, cpu_memory_capacity=capacity,
+                                        gpu_memory_utilization=1.0, enable_autotune=False))

@@ -1,5 +1,5 @@
 """Rank planning and its validation (wcache.core.ranks), parsed from the real command line; and greedy
-draft-then-verify decoding in one process (wcache.engine.workers), which must give the target's greedy
+draft-then-verify decoding in one process (wcache.engine.runner), which must give the target's greedy
 output whatever the draft proposes."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from wcache.core import ranks
+from wcache.core import ranks, speculative
 from wcache.model import tokenizer
 from wcache.core.checkpoint import make_checkpoint, shard_files
 from wcache.cli import build_parser, main
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
-from wcache.engine.loader import parse_loader_config
+from wcache.engine.loading.config import parse_loader_config
 from wcache.model.llama import bind_weights, build_meta_model, generate
-from wcache.engine.workers import RankRunner, rank_specs
+from wcache.engine.engine import rank_specs
+from wcache.engine.runner import RankRunner
 
 TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512}
 WIDE = {"num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 8, "vocab_size": 512}
@@ -28,11 +29,11 @@ def preload_args(*flags: str):
     return build_parser().parse_args(["preload", "--model", "m", *flags])
 
 
-def layout(*flags: str, hf: dict = WIDE) -> ranks.Layout:
+def layout(*flags: str, hf: dict = WIDE) -> ranks.RankLayout:
     return ranks.layout_from_args(preload_args(*flags), hf)
 
 
-def triples(lay: ranks.Layout) -> list[tuple[int, int, int, int, int]]:
+def triples(lay: ranks.RankLayout) -> list[tuple[int, int, int, int, int]]:
     """(global rank, dp, pp, tp, local rank) of every rank the node serves."""
     return [(r.global_rank, r.dp_rank, r.pp_rank, r.tp_rank, r.local_rank) for r in lay.local_ranks()]
 
@@ -135,19 +136,19 @@ def test_daemon_plan_groups_and_ports(model32):
 
 @pytest.mark.parametrize("value, message", [
     ("{", None),
-    ("[1]", ranks.SPEC_OBJECT),
+    ("[1]", speculative.SPEC_OBJECT),
     ('{"method": "eagle", "model": "x", "num_speculative_tokens": 1, "extra": 1}',
-     ranks.SPEC_UNKNOWN.format(keys=["extra"], valid=list(ranks.SPEC_KEYS))),
+     speculative.SPEC_UNKNOWN.format(keys=["extra"], valid=list(speculative.SPEC_KEYS))),
     ('{"method": "ngram", "num_speculative_tokens": 1}',
-     ranks.SPEC_METHOD.format(methods=list(ranks.DRAFT_METHODS), method="ngram")),
-    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 0}', ranks.SPEC_TOKENS.format(value=0)),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', ranks.SPEC_MODEL.format(error="missing")),
+     speculative.SPEC_METHOD.format(methods=list(speculative.DRAFT_METHODS), method="ngram")),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 0}', speculative.SPEC_TOKENS.format(value=0)),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', speculative.SPEC_MODEL.format(error="missing")),
     ('{"method": "eagle", "model": "/nonexistent", "num_speculative_tokens": 2}',
-     ranks.SPEC_MODEL.format(error="no config.json in /nonexistent")),
+     speculative.SPEC_MODEL.format(error="no config.json in /nonexistent")),
 ])
 def test_speculative_config_errors(value, message):
     with pytest.raises(E) as e:
-        ranks.parse_speculative_config(value)
+        speculative.parse_speculative_config(value)
     if message is None:
         assert str(e.value).startswith("--speculative-config is not valid JSON: ")
     else:
@@ -155,7 +156,7 @@ def test_speculative_config_errors(value, message):
 
 
 def test_draft_must_fit_the_target(model32, tmp_path):
-    spec = ranks.SpecConfig("eagle", str(model32), 2)
+    spec = speculative.SpecConfig("eagle", str(model32), 2)
     with pytest.raises(E) as e:
         ranks.check_draft(spec, TINY, tp=1, pp=2)
     assert str(e.value) == ranks.SPEC_PP
@@ -229,8 +230,8 @@ def test_speculative_decoding_equals_greedy(model32, tmp_path):
         args = build_parser().parse_args(["serve", str(model32), "--device", "cpu", "--no-enable-autotune",
                                           "--speculative-config", spec])
         _, specs = rank_specs(args, parse_loader_config(None))
-        runner = RankRunner(specs[0])
-        runner.load()
+        runner = RankRunner.from_spec(specs[0])
+        runner.start()
         ids = tokenizer.encode("The weight cache keeps")
         assert runner.decode(ids, 16, tokenizer.EOS_ID) == generate(target, ids, 16, tokenizer.EOS_ID)
         rates[label, k] = runner.accepted / runner.proposed

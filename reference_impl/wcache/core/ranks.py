@@ -1,4 +1,4 @@
-"""Parallel layouts: the flags, their validation, and which ranks each node and each process serves.
+"""Parallel layouts: validating them, and which ranks each node and each process serves.
 
 One formula places every rank, in the daemons and in the engine alike (upstream's):
 
@@ -19,29 +19,22 @@ Every user-facing error text of this module is a constant below; upstream's text
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
 import socket
-import sys
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 from wcache.core.config import Ranks
-from wcache.errors import UserError
+from wcache.core.speculative import (
+    CACHED_DRAFT_METHODS,
+    SpecConfig,
+    parse_speculative_config,
+)
+from wcache.errors import ParallelConfigError
 
 log = logging.getLogger("wcache.ranks")
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29501  # the engine's default rendezvous port (upstream's)
-RENDEZVOUS_TIMEOUT = timedelta(minutes=30)  # torch's default: how long a rank waits for the others
-
-# Methods whose draft upstream caches in a second daemon group; other drafts load from disk.
-CACHED_DRAFT_METHODS = ("eagle", "eagle3", "mtp")
-DRAFT_METHODS = CACHED_DRAFT_METHODS + ("draft_model",)
-SPEC_KEYS = ("method", "model", "num_speculative_tokens")
 
 # -- error texts ------------------------------------------------------------------------------
 AT_LEAST_ONE = "{flag} must be at least 1, got {value}"
@@ -67,103 +60,10 @@ DP_RANK_REQUIRED = ("wcache serve runs one engine per data-parallel rank: pass -
 DP_RANK_RANGE = "--data-parallel-rank must be between 0 and {last}, got {value}"
 DP_RANK_NOT_LOCAL = ("Data-parallel rank {rank} has no ranks on node {node}; this node serves "
                      "global ranks {lo} to {hi}")
-DIGEST_MISMATCH = ("Checkpoint content differs across weight cache daemon ranks ({detail}); every node "
-                   "must serve the same checkpoint")
-SPEC_JSON = "--speculative-config is not valid JSON: {error}"
-SPEC_OBJECT = "--speculative-config must be a JSON object"
-SPEC_UNKNOWN = "Unknown --speculative-config key(s) {keys}; valid keys: {valid}"
-SPEC_METHOD = "--speculative-config method must be one of {methods}, got {method!r}"
-SPEC_MODEL = "--speculative-config needs \"model\": the draft model's directory ({error})"
-SPEC_TOKENS = "--speculative-config num_speculative_tokens must be a positive integer, got {value!r}"
 SPEC_PP = "Speculative decoding is not supported with --pipeline-parallel-size > 1"
 SPEC_VOCAB = "The draft model's vocabulary ({draft}) differs from the target model's ({target})"
 SPEC_SOCKET_PATH = ("socket_path cannot be combined with a cached speculative draft ({methods}), which "
                     "needs separate target and draft sockets; use socket_dir")
-
-
-class ParallelConfigError(UserError):
-    pass
-
-
-# -- flags ------------------------------------------------------------------------------------
-def add_parallel_args(p) -> None:
-    """Engine flags shared by ``serve`` and ``preload`` (so both plan the same ranks)."""
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks: each holds a slice of every layer")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
-                   help="pipeline stages: each holds a contiguous block of layers")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                   help="data-parallel replicas, each an engine with its own tensor/pipeline ranks")
-    g.add_argument("--data-parallel-size-local", type=int, default=None, metavar="N",
-                   help="data-parallel ranks on this node (default: data-parallel size / nnodes)")
-    g.add_argument("--data-parallel-start-rank", type=int, default=None, metavar="R",
-                   help="first data-parallel rank on this node (default: node rank x size-local)")
-    g.add_argument("--data-parallel-address", default=None, metavar="HOST",
-                   help="rendezvous address when data-parallel ranks span nodes (default: --master-addr)")
-    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes the ranks are spread over")
-    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's index, 0 to nnodes-1")
-    g.add_argument("--master-addr", default=DEFAULT_MASTER_ADDR, metavar="HOST",
-                   help="address of the node that holds global rank 0")
-    g.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="PORT",
-                   help="the engine's rendezvous port (the daemons use --weight-cache-master-port)")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. {"method": "eagle", "model": DIR, "num_speculative_tokens": 3}')
-
-
-def add_serve_rank_args(p) -> None:
-    p.add_argument("--data-parallel-rank", "-dpr", type=int, default=None, metavar="R",
-                   help="the data-parallel rank this engine serves (required with --data-parallel-size > 1)")
-
-
-def add_daemon_port_args(g) -> None:
-    g.add_argument("--weight-cache-master-port", type=int, default=None, metavar="PORT",
-                   help="rendezvous port of the daemons' own process group; must differ from the engine's "
-                        "--master-port and match on every node (required when the daemons span nodes; "
-                        "default: a free port)")
-    g.add_argument("--weight-cache-draft-master-port", type=int, default=None, metavar="PORT",
-                   help="rendezvous port of the draft daemon group (default: --weight-cache-master-port + 1 "
-                        "across nodes, else a free port)")
-
-
-# -- speculative decoding config ----------------------------------------------------------------
-@dataclass(frozen=True)
-class SpecConfig:
-    method: str
-    model: str
-    num_speculative_tokens: int
-
-    @property
-    def cached(self) -> bool:
-        """Upstream caches MTP/EAGLE/EAGLE3 drafts in a draft daemon group; others load from disk."""
-        return self.method in CACHED_DRAFT_METHODS
-
-
-def parse_speculative_config(value: str | dict | None) -> SpecConfig | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ParallelConfigError(SPEC_JSON.format(error=e)) from None
-    if not isinstance(value, dict):
-        raise ParallelConfigError(SPEC_OBJECT)
-    unknown = sorted(set(value) - set(SPEC_KEYS))
-    if unknown:
-        raise ParallelConfigError(SPEC_UNKNOWN.format(keys=unknown, valid=list(SPEC_KEYS)))
-    method = value.get("method", "draft_model")
-    if method not in DRAFT_METHODS:
-        raise ParallelConfigError(SPEC_METHOD.format(methods=list(DRAFT_METHODS), method=method))
-    k = value.get("num_speculative_tokens")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ParallelConfigError(SPEC_TOKENS.format(value=k))
-    model = value.get("model")
-    if not isinstance(model, str) or not model:
-        raise ParallelConfigError(SPEC_MODEL.format(error="missing"))
-    if not (Path(model) / "config.json").is_file():
-        raise ParallelConfigError(SPEC_MODEL.format(error=f"no config.json in {model}"))
-    return SpecConfig(method, model, k)
 
 
 def check_draft(spec: SpecConfig, target_hf: dict, tp: int, pp: int) -> dict:
@@ -175,7 +75,7 @@ def check_draft(spec: SpecConfig, target_hf: dict, tp: int, pp: int) -> dict:
     hf = read_config(spec.model)
     if hf["vocab_size"] != target_hf["vocab_size"]:
         raise ParallelConfigError(SPEC_VOCAB.format(draft=hf["vocab_size"], target=target_hf["vocab_size"]))
-    _check_model_fits(hf, tp, 1)
+    check_model_fits(hf, tp, 1)
     return hf
 
 
@@ -186,7 +86,7 @@ def split_global_rank(g: int, tp: int, pp: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankLayout:
     tp: int
     pp: int
     dp: int
@@ -218,7 +118,7 @@ class Layout:
                 f"{self.first + self.count - 1} of {self.world_size} (tp={self.tp}, pp={self.pp}, dp={self.dp})")
 
 
-def _check_model_fits(hf: dict, tp: int, pp: int) -> None:
+def check_model_fits(hf: dict, tp: int, pp: int) -> None:
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads", heads)
     if heads % tp:
@@ -229,7 +129,7 @@ def _check_model_fits(hf: dict, tp: int, pp: int) -> None:
         raise ParallelConfigError(PP_TOO_LARGE.format(pp=pp, layers=hf["num_hidden_layers"]))
 
 
-def layout_from_args(args, hf: dict, device: str = "cpu") -> Layout:
+def layout_from_args(args, hf: dict, device: str = "cpu") -> RankLayout:
     """Validate the parallel flags against each other and the model; this node's block of ranks."""
     tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
     for flag, value in (("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp),
@@ -239,7 +139,7 @@ def layout_from_args(args, hf: dict, device: str = "cpu") -> Layout:
     nnodes, node_rank = args.nnodes, args.node_rank
     if not 0 <= node_rank < nnodes:
         raise ParallelConfigError(NODE_RANK_RANGE.format(last=nnodes - 1, nnodes=nnodes, value=node_rank))
-    _check_model_fits(hf, tp, pp)
+    check_model_fits(hf, tp, pp)
     world = tp * pp * dp
     dp_local, dp_start = args.data_parallel_size_local, args.data_parallel_start_rank
     if dp == 1 and (dp_local not in (None, 1) or dp_start not in (None, 0)):
@@ -267,7 +167,7 @@ def layout_from_args(args, hf: dict, device: str = "cpu") -> Layout:
         if count > torch.cuda.device_count():
             raise ParallelConfigError(TOO_FEW_GPUS.format(n=count, m=torch.cuda.device_count()))
     addr = (getattr(args, "data_parallel_address", None) if dp > 1 else None) or args.master_addr
-    return Layout(tp, pp, dp, nnodes, node_rank, first, count, addr, args.master_port)
+    return RankLayout(tp, pp, dp, nnodes, node_rank, first, count, addr, args.master_port)
 
 
 def free_port() -> int:
@@ -279,7 +179,7 @@ def free_port() -> int:
 # -- the daemons' worlds ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class DaemonPlan:
-    layout: Layout
+    layout: RankLayout
     groups: list[dict]  # per daemon group: spec overrides (model, draft, world)
 
     def describe(self) -> str:
@@ -320,63 +220,10 @@ def plan_daemons(args, cfg) -> DaemonPlan:
     return DaemonPlan(layout, groups)
 
 
-def join_daemon_world(world: dict | None, ranks: Ranks, device: str, digest: str) -> None:
-    """Join the daemons' torch.distributed world and check that every rank hashed the same checkpoint.
-
-    Called by each daemon rank before it loads, as upstream does, so collectives work during
-    post-processing. SIGTERM/SIGINT terminate at once while waiting here: nothing is bound yet,
-    and a rank blocked in the rendezvous would not run a Python handler.
-    """
-    if not world or world.get("world_size", 1) <= 1:
-        return
-    import torch
-    import torch.distributed as dist
-
-    rank = ranks.global_rank
-    old = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        tensor_device = torch.device("cpu")
-        if world["backend"] == "nccl":
-            torch.cuda.set_device(ranks.local_rank)
-            tensor_device = torch.device("cuda", ranks.local_rank)
-        dist.init_process_group(world["backend"], init_method=world["init_method"], rank=rank,
-                                world_size=world["world_size"], timeout=RENDEZVOUS_TIMEOUT)
-        mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=tensor_device)
-        gathered = [torch.empty_like(mine) for _ in range(world["world_size"])]
-        dist.all_gather(gathered, mine)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    digests = [bytes(t.cpu().tolist()).hex() for t in gathered]
-    if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d[:12], []).append(r)
-        detail = "; ".join(f"rank(s) {rs} have {d}" for d, rs in groups.items())
-        raise ParallelConfigError(DIGEST_MISMATCH.format(detail=detail))
-    log.info("Rank %d joined the daemon world of %d at %s (%s); all ranks hold checkpoint %s", rank,
-             world["world_size"], world["init_method"], world["backend"], digest[:12])
-
-
-def exit_after_collectives(code: int) -> None:
-    """Leave the process without running the process group's C++ teardown.
-
-    Callers have stopped their work (ranks told to stop, leases closed, or startup failed with a
-    logged reason). What is left is gloo's destructor, which aborts the process ("terminate called
-    without an active exception", SIGABRT, exit -6) when a peer on another node has already closed
-    its connections: a clean stop, or a clear exit 2, must not look like a crash to Docker or
-    Kubernetes.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 # -- the engine's ranks -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class EnginePlan:
-    layout: Layout
+    layout: RankLayout
     dp_rank: int
     local: list[Ranks]  # this node's ranks of the engine, the first one run by the serve process
 
@@ -412,8 +259,3 @@ def plan_engine(args, hf: dict, device: str) -> EnginePlan:
     return EnginePlan(layout, dp_rank, local)
 
 
-def needs_workers(args) -> bool:
-    """Whether ``wcache serve`` needs the multi-rank engine (workers.py) rather than the plain one."""
-    return (args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1 or args.data_parallel_size != 1
-            or args.nnodes != 1 or bool(getattr(args, "speculative_config", None))
-            or getattr(args, "data_parallel_rank", None) is not None)

@@ -1,111 +1,172 @@
-"""The engine: a model bound to weights from disk or from the weight cache, and greedy completion."""
+"""The engine: what the HTTP server calls, over a world of any size; and ``wcache serve``'s start-up.
+
+``Engine`` wraps engine rank 0's ``RankRunner`` (runner.py). With one rank it just decodes; with
+several it first broadcasts each request to the other ranks, and keeps an idle world alive.
+``run_serve`` is the one start-up path: listen (``/health`` answers 503), start the other local
+ranks (supervisor.py), load and size memory on every rank, then serve.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
-from wcache.core import autotune
-from wcache.engine import memory
-from wcache.model import tokenizer
 from wcache.core.config import EngineConfig
-from wcache.model.llama import Llama, bind_weights, build_meta_model, generate
-from wcache.core.postprocess import ProcessedWeights
+from wcache.core.distributed import exit_after_collectives
+from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
+from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
+from wcache.engine.runner import (
+    OP_GENERATE,
+    OP_KEEPALIVE,
+    OP_STOP,
+    EngineOptions,
+    RankRunner,
+    rank_spec,
+)
+from wcache.engine.world import LOST_PEERS
+from wcache.errors import ParallelConfigError
+from wcache.model import tokenizer
 
 log = logging.getLogger("wcache.engine")
 
-LOAD_FORMATS = ["auto", "safetensors", "ipc_cache"]
-
-
-@dataclass
-class LoadReport:
-    source: str  # "disk" or "weight cache (zero_copy)" / "weight cache (copy)"
-    seconds: float
-    tensors: int
-    nbytes: int
-    external_bytes: int = 0  # weights held by the daemon and mapped, not owned, by this engine
-    fallback_reason: str | None = None
-    keepalive: list = field(default_factory=list, repr=False)
-    phases: dict = field(default_factory=dict)  # seconds per handoff step (cache loads only)
-    transport: str | None = None  # the arena kind a cache load came through (memfd, cuda_ipc, cuda_vmm_fd)
-
-
-def load_weights(cfg: EngineConfig, load_format: str = "auto", loader_config=None,
-                 draft: bool = False) -> tuple[ProcessedWeights, LoadReport]:
-    """Weights for this rank from the requested source, timed from start to bindable tensors.
-    ``draft``: a speculative draft model, served by the draft daemon group's ``_draft`` sockets."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"Unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
-    t0 = time.perf_counter()
-    if load_format == "ipc_cache":
-        from wcache.engine.loader import load_from_cache  # the weight-cache client
-
-        weights, report = load_from_cache(cfg, loader_config, draft=draft)
-        if weights is not None:
-            report.seconds = time.perf_counter() - t0
-            return weights, report
-        fallback_reason = report.fallback_reason
-    else:
-        fallback_reason = None
-    from wcache.core.disk import load_processed
-
-    weights = load_processed(cfg)
-    report = LoadReport("disk", time.perf_counter() - t0, len(weights.tensors), weights.nbytes,
-                        fallback_reason=fallback_reason)
-    return weights, report
+KEEPALIVE_S = 60.0
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, load_format: str = "auto", loader_config=None, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION, cpu_memory_capacity: int | None = None,
-                 enable_autotune: bool = True):
-        self.cfg = cfg
-        self.weights, self.report = load_weights(cfg, load_format, loader_config)
-        self.model: Llama = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), self.weights.bindable())
-        self._lock = threading.Lock()  # one sequence at a time: they share the KV cache
-        log.info("Loaded %d tensors (%.1f MiB) from %s in %.3f s", self.report.tensors,
-                 self.report.nbytes / 2**20, self.report.source, self.report.seconds)
-        try:
-            self._size_memory(max_model_len, gpu_memory_utilization, cpu_memory_capacity, enable_autotune)
-        except BaseException:
-            self.close()
-            raise
+    """Engine rank 0: one sequence at a time (they share each rank's KV cache)."""
 
-    def _size_memory(self, max_model_len, utilization, cpu_capacity, enable_autotune) -> None:
-        """Autotune, then split the memory budget (memory.py) and allocate the KV cache it leaves."""
-        cfg = self.cfg
-        external = memory.external_weights(self.report)  # the daemon's own count (get_memory)
-        capacity = memory.device_capacity(cfg.torch_device, cpu_capacity)
-        memory.check_external(capacity, utilization, external)
-        # Tune first: the profiling forward below then measures the activations of the winners.
-        self.autotune = autotune.prepare_engine(cfg, self.model, enable_autotune)
-        want = min(max_model_len or 2048, cfg.shape.max_positions)
-        self.memory = memory.MemoryPlan(
-            device=cfg.device, capacity=capacity, utilization=utilization,
-            own_weights=self.report.nbytes - self.report.external_bytes, external_weights=external,
-            activation_peak=memory.measure_activation_peak(self.model, want),
-            kv_bytes_per_token=memory.kv_bytes_per_token(cfg.shape, cfg.dtype))
-        if external:
-            log.info(memory.HELD_OUTSIDE.format(external=memory.format_bytes(external), split=self.memory.split()))
-        else:
-            log.info(memory.BUDGET.format(split=self.memory.split()))
-        log.info(memory.PLAN_JSON.format(json=self.memory.as_json()))
-        self.max_model_len = memory.size_max_model_len(self.memory, max_model_len, 2048, cfg.shape.max_positions)
-        self.kv_cache = self.model.new_cache(self.max_model_len)  # one sequence at a time reuses it
-        log.info("KV cache: %d tokens allocated (%s) for --max-model-len %d; the budget holds %d",
-                 self.max_model_len, memory.format_bytes(self.max_model_len * self.memory.kv_bytes_per_token),
-                 self.max_model_len, self.memory.kv_tokens)
+    def __init__(self, runner: RankRunner):
+        self.runner = runner
+        self.cfg = runner.cfg
+        self.report = runner.report
+        self.max_model_len = runner.max_model_len
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self.closed = False
+        if runner.world.size > 1:
+            threading.Thread(target=self._keepalive, name="wcache-keepalive", daemon=True).start()
 
-    def close(self) -> None:
-        for lease in self.report.keepalive:  # zero_copy: tell the daemon we no longer map its memory
-            lease.close()
-        self.report.keepalive.clear()
+    @classmethod
+    def start(cls, cfg: EngineConfig, options: EngineOptions | None = None) -> Engine:
+        """An engine of this process's rank alone (a world of one, unless ``cfg.ranks`` says otherwise)."""
+        runner = RankRunner(cfg, options or EngineOptions())
+        runner.start()
+        return cls(runner)
+
+    @property
+    def memory(self):
+        return self.runner.memory
+
+    @property
+    def kv_cache(self):
+        return self.runner.kv_cache
+
+    def _keepalive(self) -> None:
+        while not self.closed:
+            time.sleep(1.0)
+            with self._lock:
+                if self.closed or time.monotonic() - self._last < KEEPALIVE_S:
+                    continue
+                try:
+                    self.runner.send_request(OP_KEEPALIVE)
+                except RuntimeError as e:
+                    log.error(LOST_PEERS.format(rank=0, error=str(e).splitlines()[0]))
+                    return
+                self._last = time.monotonic()
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
         ids = tokenizer.encode(prompt)
+        r = self.runner
         with self._lock:
-            out = generate(self.model, ids, max_tokens, eos_id=tokenizer.EOS_ID, cache=self.kv_cache)
+            before = (r.proposed, r.accepted)
+            r.send_request(OP_GENERATE, ids, max_tokens)
+            out = r.decode(ids, max_tokens, tokenizer.EOS_ID)
+            self._last = time.monotonic()
+        if r.draft is not None:
+            log.info("Speculative decoding (%s): accepted %d of %d draft tokens", r.draft_spec["method"],
+                     r.accepted - before[1], r.proposed - before[0])
         finish = "stop" if out and out[-1] == tokenizer.EOS_ID else "length"
         return tokenizer.decode(out), out, finish, len(ids)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.runner.send_request(OP_STOP)
+            except RuntimeError:
+                pass
+        self.runner.close()
+
+
+def rank_specs(args, loader_config):
+    """(plan, one JSON spec per local rank of this engine) from ``wcache serve`` arguments."""
+    base = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
+    plan = plan_engine(args, base.hf, base.device)
+    draft = None
+    sc = parse_speculative_config(args.speculative_config)
+    if sc is not None:
+        check_draft(sc, base.hf, plan.layout.tp, plan.layout.pp)
+        if sc.cached and args.load_format == "ipc_cache" and loader_config.socket_path:
+            raise ParallelConfigError(SPEC_SOCKET_PATH.format(methods=", ".join(CACHED_DRAFT_METHODS)))
+        draft = {"method": sc.method, "model": sc.model, "k": sc.num_speculative_tokens, "cached": sc.cached,
+                 "dtype": args.dtype}
+    options = EngineOptions(
+        load_format=args.load_format, loader_config=loader_config, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_capacity=args.cpu_memory_capacity,
+        enable_autotune=args.enable_autotune, draft=draft, init_method=plan.init_method,
+        backend="nccl" if base.device == "cuda" else "gloo")
+    model_flags = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+                   "device": base.device, "revision": args.revision}
+    return plan, [rank_spec(model_flags, r, options) for r in plan.local]
+
+
+def run_serve(args, loader_config) -> int:
+    """``wcache serve``: every world size, one path."""
+    from wcache.engine.server import EngineServer, run_until_signal
+    from wcache.engine.supervisor import Supervisor
+
+    plan, specs = rank_specs(args, loader_config)
+    runner = RankRunner.from_spec(specs[0])
+    if not runner.plain:
+        log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
+                 plan.layout.describe(), len(specs), plan.world_size, plan.init_method)
+    server = None
+    if plan.drives:
+        # Listen before loading so /health answers 503 while weights load (readiness probes).
+        server = EngineServer((args.host, args.port), None, args.model)
+        log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
+                 "weights are loaded" if runner.plain else "every rank has its weights")
+    supervisor = Supervisor(specs[1:], server)
+    try:
+        runner.start()
+    except BaseException:
+        supervisor.abort()
+        if server is not None:
+            server.server_close()
+        raise
+    supervisor.started_ok = True
+    if not plan.drives:
+        from wcache.engine.runner import serve_requests
+
+        log.info("Engine node %d ready: %d rank(s) follow engine rank 0 at %s", plan.layout.node_rank,
+                 len(specs), plan.init_method)
+        code = serve_requests(runner)
+        supervisor.stop()
+        exit_after_collectives(code)
+    engine = Engine(runner)
+
+    def on_stop() -> None:
+        supervisor.stopping = True
+        engine.close()
+        supervisor.stop()
+
+    server.engine, server.ready = engine, True
+    log.info("Engine ready: POST http://%s:%d/v1/completions", args.host, args.port)
+    run_until_signal(server, on_stop=on_stop)
+    log.info("Engine stopped")
+    if runner.world.size > 1:
+        exit_after_collectives(0)  # past gloo's teardown, which may abort once peers are gone
+    return 0

@@ -31,8 +31,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
-from wcache.wire.protocol import close_fds
+from wcache.errors import (
+    CacheUnusable,
+    ExternalWeightsExceedBudgetError,
+    KVCacheBudgetError,
+)
 
 log = logging.getLogger("wcache.memory")
 
@@ -40,6 +43,8 @@ DEFAULT_UTILIZATION = 0.9
 HELD_OUTSIDE = "Weights are held outside this process: {external} by the weight cache daemon; {split}"
 BUDGET = "Memory budget: {split}"
 PLAN_JSON = "Memory plan (bytes): {json}"
+NO_MEMORY_REPORT = "The weight cache daemon did not report its memory ({error}); counting the {mapped} mapped"
+KV_ALLOCATED = "KV cache: {tokens} tokens allocated ({size}) for --max-model-len {length}; the budget holds {budget}"
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -122,23 +127,17 @@ class MemoryPlan:
                            "kv_tokens": self.kv_tokens}, sort_keys=True)
 
 
-def external_weights(report) -> int:
-    """Bytes the daemon holds for this engine: 0 unless the weights are mapped (zero_copy). Asked
-    from the daemon over the engine's open lease connection; its mapped size if the daemon cannot say."""
-    if not report.external_bytes:
+def external_weights(lease) -> int:
+    """Bytes the daemon holds for this engine: 0 without a lease (disk, fallback or copy mode), else
+    what the daemon reports over the lease (CacheLease.memory). When it cannot say, the reason is
+    logged and the mapped size counts instead."""
+    if lease is None or not lease.external_bytes:
         return 0
-    lease = report.keepalive[0] if report.keepalive else None
     try:
-        answer, fds = lease.call("get_memory")
-        close_fds(fds)
-        held = answer["weights_bytes"]
-        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
-            raise ValueError(f"weights_bytes {held!r}")
-        return held
-    except Exception as e:  # noqa: BLE001 - any failure: count what we mapped instead
-        log.warning("The weight cache daemon did not report its memory (%s); counting the %s mapped",
-                    e, format_bytes(report.external_bytes))
-        return report.external_bytes
+        return lease.memory()
+    except CacheUnusable as e:
+        log.warning(NO_MEMORY_REPORT.format(error=e, mapped=format_bytes(lease.external_bytes)))
+        return lease.external_bytes
 
 
 def check_external(capacity: int, utilization: float, external: int) -> None:
@@ -247,10 +246,13 @@ def measure_activation_peak(model, tokens: int) -> int:
     return int(peak)
 
 
-def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, max_positions: int) -> int:
+def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, max_positions: int,
+                       tokens: int | None = None) -> int:
     """The longest sequence the engine serves: the requested (or default) length, at most what the
-    KV cache budget holds. An explicit --max-model-len that does not fit is an error."""
-    tokens = plan.kv_tokens
+    KV cache budget holds. An explicit --max-model-len that does not fit is an error. ``tokens``:
+    what the budget holds when not ``plan.kv_tokens`` (the least of every rank's, or less a
+    speculative draft's look-ahead)."""
+    tokens = plan.kv_tokens if tokens is None else tokens
     if tokens < 1:
         raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split()))
     want = min(requested or default, max_positions)

@@ -71,8 +71,12 @@ RELEASE_POLL_S = 0.25
 class ArenaOffer:
     """Watches a zero_copy lease; when the daemon goes, offers the arena until a daemon serves it again.
 
-    ``relink(sock)`` is called with the new lease connection once a restarted daemon serves the
-    same arena id; the loader's client then holds that connection as its lease.
+    The engine's lease (engine/loading/lease.py ``CacheLease``) owns the offer and closes it first.
+    ``relink(sock)`` is the lease's ``replace_connection``, called from the offer's thread with the
+    new lease connection once a restarted daemon serves the same arena id: it swaps the connection
+    under the lease's lock, so the engine's own requests on it (``get_memory``) never see half a swap.
+    ``connect()`` checks the restarted daemon like any engine connection (the socket's owner and the
+    listening process's uid) before it returns one.
     """
 
     def __init__(self, lease: socket.socket, state: dict, fd: int, key: dict, path: Path, connect, relink):

@@ -1,0 +1,208 @@
+"""The ``ipc_cache`` load format: this rank's weights from its daemon instead of the disk.
+
+One attempt = connect (and check who answers, client.py), send ``get_state`` with the engine's
+cache key, check the reply, map the arena, bind every tensor as a view. Each way an attempt can
+fail has its own reason (errors.REASONS). With ``fallback`` on, the loader logs the reason and its
+``DiskLoader`` loads from disk; with it off, it waits for a daemon that is still starting (no socket
+yet, or connection refused) and fails on anything else.
+
+In ``zero_copy`` mode the returned ``CacheLease`` keeps the connection open for the engine's
+lifetime: it tells the daemon an engine still maps its memory. In ``copy`` mode the engine clones
+the arena, asks the daemon to release its copy, and closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from wcache import errors
+from wcache.core.config import EngineConfig
+from wcache.core.device import device_identity
+from wcache.core.fingerprint import cache_key
+from wcache.core.postprocess import ProcessedWeights
+from wcache.engine.loading.base import LoadedWeights, LoadReport, WeightLoader
+from wcache.engine.loading.client import CacheClient
+from wcache.engine.loading.config import LoaderConfig
+from wcache.engine.loading.disk import DiskLoader
+from wcache.engine.loading.lease import CacheLease
+from wcache.errors import (
+    CacheUnusable,
+    UnsupportedPlatformForIPCError,
+    UnsupportedQuantForIPCError,
+)
+from wcache.wire.arena import HANDED_BACK_KINDS, bind_views, open_arena
+from wcache.wire.handback import ASK_TIMEOUT_S
+from wcache.wire.protocol import ProtocolError, close_fds
+from wcache.wire.sockets import prepare_socket_dir, socket_name
+from wcache.wire.transports.auto import resolve_transport
+
+log = logging.getLogger("wcache.engine.loader")
+
+RETRY_INTERVAL_S = 0.25
+
+
+def resolve_socket_path(cfg: EngineConfig, lc: LoaderConfig, draft: bool = False) -> Path:
+    if lc.socket_path:
+        return Path(lc.socket_path)
+    d = prepare_socket_dir(lc.socket_dir, create=False)
+    return d / socket_name(device_identity(cfg.device, cfg.ranks.local_rank), draft)
+
+
+def check_supported(cfg: EngineConfig) -> None:
+    if not sys.platform.startswith("linux"):
+        raise UnsupportedPlatformForIPCError(sys.platform)
+    if not cfg.quant.supports_pre_processed_weights:
+        raise UnsupportedQuantForIPCError(cfg.quant.name)
+
+
+class IpcCacheLoader(WeightLoader):
+    def __init__(self, loader_config: LoaderConfig | None = None, draft: bool = False):
+        super().__init__(loader_config or LoaderConfig(), draft)
+        self.disk = DiskLoader(None, draft)  # the fallback
+
+    def load(self, cfg: EngineConfig) -> LoadedWeights:
+        t0 = time.perf_counter()
+        check_supported(cfg)
+        try:
+            weights, lease, phases = self._until_served(cfg)
+        except CacheUnusable as e:  # fallback on: say why, then read the disk
+            log.warning(errors.FALLBACK.format(reason=e))
+            return self.disk.load(cfg, fallback_reason=str(e), t0=t0)
+        mode = self.loader_config.mode
+        n = len(weights.tensors)
+        log.info(errors.MAPPED.format(count=n, mode=mode))
+        report = LoadReport(f"the weight cache ({mode})", time.perf_counter() - t0, n, weights.nbytes,
+                            external_bytes=lease.external_bytes if lease else 0,
+                            transport=phases.pop("transport"), phases=phases)
+        return LoadedWeights(weights, report, lease)
+
+    def _until_served(self, cfg: EngineConfig) -> tuple[ProcessedWeights, CacheLease | None, dict]:
+        """Attempt until served. CacheUnusable only with fallback on; with it off, a reason not
+        worth waiting for, or the wait's end, is a user error."""
+        lc = self.loader_config
+        t = time.perf_counter()
+        key = cache_key(cfg)
+        phases = {"key": time.perf_counter() - t}
+        deadline = time.monotonic() + lc.state_timeout_s
+        waited = False
+        while True:
+            try:
+                path = resolve_socket_path(cfg, lc, self.draft)
+                weights, lease = self._attempt(cfg, key, path, phases)
+                return weights, lease, phases
+            except CacheUnusable as e:
+                if lc.fallback:
+                    raise
+                if e.kind not in errors.RETRYABLE:
+                    raise errors.WeightCacheError(str(e)) from None
+                if time.monotonic() >= deadline:
+                    raise errors.WeightCacheTimeoutError(lc.state_timeout_s, str(e)) from None
+                if not waited:
+                    log.info(errors.WAITING.format(timeout=lc.state_timeout_s))
+                    waited = True
+                time.sleep(RETRY_INTERVAL_S)
+
+    # -- one attempt, step by step; ``phases`` receives the seconds of each (the bench prints them)
+    def _attempt(self, cfg: EngineConfig, key: dict, path: Path, phases: dict):
+        lc = self.loader_config
+        clock = _Clock(phases)
+        lease = CacheLease(CacheClient(path, lc))  # from here on, any failure lets go of it all
+        clock.lap("connect")
+        try:
+            answer, fds = lease.call("get_state", key=key, mode=lc.mode)
+            clock.lap("request")
+            lease.kind = phases["transport"] = self._check_reply(cfg, answer, fds)
+            if lc.mode == "zero_copy" and lease.kind in HANDED_BACK_KINDS and len(fds) == 1 and answer["arena"].get("id"):
+                lease.keep_descriptor(fds[0])  # for handback.py; open_arena closes the ones it receives
+            lease.mapping = self._map(answer, fds, cfg)
+            clock.lap("map")
+            weights = self._bind(lease, answer, clock)
+            if lc.mode == "copy":
+                self._release(lease)
+                clock.lap("release")
+                return weights, None
+            lease.external_bytes = weights.nbytes
+            lease.offer_back(answer, key, lambda: _lease_again(path, lc, key))
+            return weights, lease
+        except BaseException:
+            lease.close()
+            raise
+
+    def _check_reply(self, cfg: EngineConfig, answer: dict, fds: list[int]) -> str:
+        """The arena kind served, once the reply is for this device and the transport asked for."""
+        engine_id = device_identity(cfg.device, cfg.ranks.local_rank)
+        if answer.get("device_id") != engine_id:
+            close_fds(fds)
+            raise CacheUnusable("device", daemon=answer.get("device_id"), engine=engine_id)
+        served = (answer.get("arena") or {}).get("kind")
+        wanted = self.loader_config.transport
+        if wanted != "auto" and served != resolve_transport(wanted, cfg.torch_device):
+            close_fds(fds)
+            raise CacheUnusable("transport", served=served, wanted=wanted)
+        return served
+
+    @staticmethod
+    def _map(answer: dict, fds: list[int], cfg: EngineConfig):
+        try:
+            return open_arena(answer.get("arena") or {}, fds, cfg.torch_device)
+        except ProtocolError as e:
+            raise CacheUnusable("protocol", detail=str(e)) from None
+        except (OSError, RuntimeError) as e:  # mmap or cudaIpcOpenMemHandle refused (namespaces, permissions)
+            raise CacheUnusable("map", error=e) from None
+
+    def _bind(self, lease: CacheLease, answer: dict, clock: _Clock) -> ProcessedWeights:
+        """Views of every tensor: of the daemon's memory (zero_copy), or of our own clone (copy)."""
+        arena = lease.mapping.tensor
+        if self.loader_config.mode == "copy":
+            # One device/host memcpy of the whole arena, then views of our own copy. Let go of the
+            # daemon's memory before asking it to release, so the release really frees it.
+            arena = arena.clone()
+            if arena.is_cuda:
+                torch.cuda.synchronize(arena.device)
+            lease.release_mapping()
+            clock.lap("copy")
+        try:
+            tensors = bind_views(arena, answer.get("manifest") or {})
+        except ProtocolError as e:
+            raise CacheUnusable("protocol", detail=str(e)) from None
+        clock.lap("bind")
+        aliases = answer.get("aliases") or {}
+        if any(t not in tensors for t in aliases.values()):
+            raise CacheUnusable("protocol", detail="an alias names a tensor the daemon did not send")
+        return ProcessedWeights(tensors, aliases, answer.get("attrs") or {})
+
+    @staticmethod
+    def _release(lease: CacheLease) -> None:
+        try:
+            lease.call("release")
+        except CacheUnusable as e:
+            log.warning("The daemon kept its copy of the weights: %s", e)
+        lease.close()
+
+
+class _Clock:
+    def __init__(self, phases: dict):
+        self.phases, self.t = phases, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self.t = now - self.t, now
+
+
+def _lease_again(path: Path, lc: LoaderConfig, key: dict):
+    """(socket, answer, fds) of a zero_copy get_state on a restarted daemon; raises while none serves.
+    Bounded by the hand-back's own timeout: while it waits, the engine answers no adopter."""
+    client = CacheClient(path, replace(lc, connect_timeout_s=min(lc.connect_timeout_s, ASK_TIMEOUT_S),
+                                       state_timeout_s=min(lc.state_timeout_s, ASK_TIMEOUT_S)))
+    try:
+        answer, fds = client.call("get_state", key=key, mode="zero_copy")
+    except BaseException:
+        client.close()
+        raise
+    return client.sock, answer, fds
