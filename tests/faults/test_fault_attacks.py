@@ -34,7 +34,7 @@ from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key
 from wcache.daemon import arena_record
 from wcache.daemon.rank import ACCEPT_FAILED_LOG, REQUEST_TIMEOUT_S, UNREAD_LOG
-from wcache.errors import ARENA_NOT_RECORDED, DAEMON_ERRORS, OFFER_SKIPPED, DaemonLockError, SocketSecurityError
+from wcache.errors import ARENA_NOT_RECORDED, ARENA_RECORD_UNSAFE, DAEMON_ERRORS, OFFER_SKIPPED, DaemonLockError, SocketSecurityError
 from wcache.wire.handback import ASK_BUDGET_S, OFFER_PREFIX
 from wcache.wire.protocol import MAX_FDS, MAX_FRAME_BYTES, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import socket_name
@@ -253,7 +253,7 @@ def test_accept_backs_off_on_emfile_and_logs_once(daemon, sock, rank):
         for s in idle:
             s.close()
         resource.prlimit(rank, resource.RLIMIT_NOFILE, (soft, hard))
-    figure("EMFILE on accept", seconds=3, log_lines=lines, cpu_threads_peak=peak.threads,
+    figure("EMFILE on accept", seconds=3, log_lines=lines, threads_peak=peak.threads,
            engine_latency_after_s=latency)
 
 
@@ -406,6 +406,11 @@ def test_a_symlinked_lock_and_a_file_as_socket_dir_have_their_own_messages(fault
     assert p.exit_code(120) == 2
     assert DaemonLockError.SYMLINK.format(path=str(sock) + ".lock") in p.log()
     assert "Another weight cache daemon already owns" not in p.log()
+    e = private_dir(tmp_path, "lockdir")
+    os.mkdir(e / (SOCK_NAME + ".lock"))  # a directory cannot be opened for writing
+    r = fault_procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(e), ready=False)
+    assert r.exit_code(120) == 2
+    assert DaemonLockError.CANNOT_OPEN.format(path=e / (SOCK_NAME + ".lock"), error="Is a directory") in r.log()
     f = tmp_path / "a-file"
     f.write_text("")
     q = fault_procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(f), ready=False)
@@ -483,6 +488,18 @@ def test_silent_offers_cost_a_bounded_time_at_start(fault_procs, tiny_model, tmp
     assert seconds - baseline < ASK_BUDGET_S + 3, (seconds, baseline)  # was 5 s each: 32 s for 6
     q.stop()
     figure("6 silent offers", start_s=seconds, start_without_offers_s=baseline)
+
+
+def test_a_state_dir_others_can_write_disables_hand_back(fault_procs, fault_env, tiny_model, tmp_path):
+    state = tmp_path / "open-state"
+    (state / "arenas").mkdir(parents=True)
+    os.chmod(state / "arenas", 0o777)  # anyone could plant a record here: it is not trusted
+    d = private_dir(tmp_path, "openstate")
+    p = fault_procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(d),
+                            env=dict(fault_env, WCACHE_STATE_DIR=str(state)))
+    assert ARENA_RECORD_UNSAFE.format(dir=state / "arenas") in p.log()
+    assert not list((state / "arenas").iterdir())
+    p.stop()
 
 
 def test_rehash_hashes_every_shard_on_each_start(fault_procs, tiny_model, tmp_path):
