@@ -146,10 +146,20 @@ class SeedServer:
                 conn, addr = self.sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as e:
                 if self.stop.is_set():
                     return
+                # Out of descriptors (EMFILE/ENFILE): accepting again at once would spin. Pause
+                # (doubling to 1 s) and log once per 10 s, as the rank's own listener does.
+                pause = min(1.0, max(0.05, getattr(self, "_pause", 0.0) * 2))
+                self._pause = pause
+                now = time.monotonic()
+                if now - getattr(self, "_logged", 0.0) >= 10.0:
+                    log.warning("Seed listener cannot accept connections (%s); pausing %.2f s", e, pause)
+                    self._logged = now
+                self.stop.wait(pause)
                 continue
+            self._pause = 0.0
             if not self.slots.acquire(blocking=False):
                 try:  # say why before closing; a fresh connection's send buffer takes this at once
                     conn.settimeout(1.0)
@@ -168,8 +178,8 @@ class SeedServer:
                 drain(conn)  # refused unread: without draining, the reset could swallow the answer
                 return
             try:
-                req, fds = recv_frame(conn, max_bytes=MAX_REQUEST_BYTES)
-            except (ProtocolError, EOFError) as e:
+                req, fds = recv_frame(conn, max_bytes=MAX_REQUEST_BYTES, timeout=TIMEOUT_S)  # a whole-frame deadline
+            except (ProtocolError, EOFError, TimeoutError) as e:
                 send_frame(conn, reply(False, error="protocol", message=str(e)[:200]))
                 drain(conn)
                 return
