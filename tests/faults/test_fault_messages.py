@@ -210,3 +210,13 @@ def test_the_fault_table_in_the_guide_matches_the_suite():
             continue
         for test in re.findall(r"^def (test_\w+)\(", f.read_text(), re.MULTILINE):
             assert test in named, f"{f.name}::{test} is in no row of {PAGE.name}"
+
+
+def test_the_daemon_dispatches_on_the_protocols_op_table():
+    """protocol.REQUESTS is the table the daemon dispatches on (one handler each, no other), and the
+    refusal of an unknown op names exactly those."""
+    from wcache.wire.protocol import REQUESTS
+
+    assert tuple(daemon.RankDaemon.HANDLERS) == REQUESTS
+    listed = re.findall(r"get_\w+|release", DAEMON_ERRORS["unknown_op"].split(";")[1])
+    assert tuple(listed) == REQUESTS

@@ -8,9 +8,11 @@ can reach, what an engine cannot forge about it:
 * memfd: the inode (st_dev, st_ino), size and ctime of the memfd. The kernel sets the ctime on
   every change, nobody can set it back, and the write seals forbid changes after packing: a memfd
   with this identity holds the bytes the daemon packed. Checking it is an fstat, no hashing.
-* vmm_fd: a SHA-256 of the arena's bytes, computed once at pack time. VMM memory cannot be
-  sealed and every engine maps it writable, so an adopting daemon hashes the memory again (chunked
-  device-to-host copies) and serves it only if the digest matches.
+* vmm_fd (GPU): a SHA-256 of the arena's bytes, computed once after packing, in the background
+  while the daemon already serves (a daemon killed before it finishes leaves no record: the next
+  one loads from disk). VMM memory cannot be sealed and every engine maps it writable, so an
+  adopting daemon hashes the memory again (chunked device-to-host copies) and serves it only if the
+  digest matches.
 
 The record lives under the daemon's state directory (``$WCACHE_STATE_DIR``, else
 ``$XDG_STATE_HOME/wcache``, else ``~/.local/state/wcache``), never in the socket directory that

@@ -113,6 +113,7 @@ class RankDaemon:
         self.clients = threading.BoundedSemaphore(self.max_clients)
         self.budget = FrameBudget(IN_FLIGHT_BYTES)
         self.arena = None
+        self.recording: threading.Thread | None = None  # hashes a GPU arena for its record; joined before it is freed
         self.autotune_doc = None  # the tuned winners this rank serves to seeding replicas
         self.seed_server = None
 
@@ -136,7 +137,12 @@ class RankDaemon:
             weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
             self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
             if self.spec.get("adopt", True):  # what a restarted daemon may adopt: this arena only
-                arena_record.write(self.socket_path, self.arena)
+                if self.arena.kind == "memfd":  # an fstat: at once
+                    arena_record.write(self.socket_path, self.arena)
+                else:  # hashing GPU memory takes seconds per GiB: not on the way to serving
+                    self.recording = threading.Thread(target=arena_record.write, args=(self.socket_path, self.arena),
+                                                      name="wcache-arena-record", daemon=True)
+                    self.recording.start()
             self.aliases, self.attrs = weights.aliases, weights.attrs
             self.weights_bytes = weights.nbytes
             del weights
@@ -357,6 +363,8 @@ class RankDaemon:
                 return reply(False, error="in_use", message=DAEMON_ERRORS["in_use"].format(n=others)), []
             if not self.released:
                 try:
+                    if self.recording is not None:
+                        self.recording.join()  # it reads the arena: never free memory under it
                     self.arena.close()
                 except Exception as e:  # a driver error must not kill the connection thread silently
                     log.exception("Releasing the cached weights failed")
@@ -383,6 +391,8 @@ class RankDaemon:
         if self.seed_server is not None:
             self.seed_server.close()
         if self.arena is not None:
+            if self.recording is not None:
+                self.recording.join()
             self.arena.close()
         if removed:
             log.info("Rank %d stopped; socket %s removed", self.rank, self.path)
