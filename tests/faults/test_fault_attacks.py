@@ -124,6 +124,7 @@ class ForgedOffer:
         self.listener.close()
 
 
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_a_forged_hand_back_is_never_adopted(fault_procs, tiny_model, cfg, tmp_path):
     d = private_dir(tmp_path, "forged")
     sock = d / SOCK_NAME
@@ -384,6 +385,7 @@ def test_unread_answers_with_descriptors_are_bounded_and_logged(daemon, sock, ra
 
 
 # -- 7. two daemons ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_a_live_daemon_keeps_its_socket_when_its_lock_is_removed(fault_procs, tiny_model, tmp_path):
     d = private_dir(tmp_path, "two")
     sock = d / SOCK_NAME
@@ -398,6 +400,7 @@ def test_a_live_daemon_keeps_its_socket_when_its_lock_is_removed(fault_procs, ti
 
 
 # -- 8. paths, deadlines, offers, rehash --------------------------------------------------------------------
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_a_symlinked_lock_and_a_file_as_socket_dir_have_their_own_messages(fault_procs, tiny_model, tmp_path):
     d = private_dir(tmp_path, "locklink")
     sock = d / SOCK_NAME
@@ -474,6 +477,7 @@ class SilentOffers:
             s.close()
 
 
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_silent_offers_cost_a_bounded_time_at_start(fault_procs, tiny_model, tmp_path):
     plain = private_dir(tmp_path, "plain")
     baseline, p = timed(fault_procs.preload, tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(plain))
@@ -490,6 +494,7 @@ def test_silent_offers_cost_a_bounded_time_at_start(fault_procs, tiny_model, tmp
     figure("6 silent offers", start_s=seconds, start_without_offers_s=baseline)
 
 
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_a_state_dir_others_can_write_disables_hand_back(fault_procs, fault_env, tiny_model, tmp_path):
     state = tmp_path / "open-state"
     (state / "arenas").mkdir(parents=True)
@@ -502,6 +507,7 @@ def test_a_state_dir_others_can_write_disables_hand_back(fault_procs, fault_env,
     p.stop()
 
 
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_rehash_hashes_every_shard_on_each_start(fault_procs, tiny_model, tmp_path):
     d = private_dir(tmp_path, "rehash")
     p = fault_procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(d))
@@ -569,6 +575,7 @@ def test_a_malformed_http_request_gets_a_json_4xx_and_the_server_stays_up(engine
     assert http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))[0] == 200
 
 
+@pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
     from wcache.engine.server import BODY_DEADLINE_S, MAX_CONNECTIONS
 

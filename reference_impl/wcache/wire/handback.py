@@ -152,7 +152,7 @@ class ArenaOffer:
         try:
             pid, uid, _ = peer_cred(conn)
             conn.settimeout(ASK_TIMEOUT_S)
-            req, fds = recv_frame(conn)
+            req, fds = recv_frame(conn, timeout=ASK_TIMEOUT_S)  # the whole frame: a slow asker cannot stall the offer
             close_fds(fds)
             if uid != os.getuid():
                 send_frame(conn, reply(False, error="rejected", message=f"uid {uid} may not take this arena"))
