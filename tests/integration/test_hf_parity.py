@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from procs import complete
+from procs import _healthy, complete
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
@@ -85,15 +86,14 @@ def tf4_missing() -> str | None:
     return None
 
 
-def run_writer(spec: list[dict], tmp: Path, major: int) -> None:
+def start_writer(spec: list[dict], tmp: Path, major: int) -> subprocess.Popen:
     spec_file = tmp / f"spec-{major}.json"
     spec_file.write_text(json.dumps(spec))
     env = dict(os.environ)
     if major == 4:  # the second install first on the path: its transformers and huggingface_hub win
         env["PYTHONPATH"] = os.pathsep.join([str(TF4), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(HERE / "hf_reference.py"), str(spec_file)], env=env,
-                       capture_output=True, text=True, timeout=300, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
+    return subprocess.Popen([sys.executable, str(HERE / "hf_reference.py"), str(spec_file)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +110,49 @@ def written(tmp_path_factory) -> dict[str, Path]:
     for name, tie in (("wcache-tiny", False), ("wcache-tiny-tied", True)):
         model = make_checkpoint(tmp / name / "model", "tiny", tie_embeddings=tie)
         by_major[5].append({**common, "load": str(model), "out": str(tmp / name)})
-    run_writer(by_major[5], tmp, 5)
-    if not tf4_missing():
-        run_writer(by_major[4], tmp, 4)
+    writers = [start_writer(by_major[5], tmp, 5)] + ([] if tf4_missing() else [start_writer(by_major[4], tmp, 4)])
+    for w in writers:  # side by side: each spends seconds importing its transformers
+        out, _ = w.communicate(timeout=300)
+        assert w.returncode == 0, out
     return {p.name: p for p in tmp.iterdir() if p.is_dir()}
+
+
+SERVED = [n for n, case in CASES.items() if case.get("served", True) and not (case["writer"] == 4 and tf4_missing())]
+
+
+@pytest.fixture(scope="module")
+def served(written, module_procs, module_env) -> dict[str, tuple]:
+    """name -> (daemon, disk engine, cache engine, socket dir), all in float32 (the dtype of the
+    comparison). Every daemon and disk engine starts at once, then every cache engine: the processes
+    spend much of their start waiting, so side by side the whole set is ready in about the time of
+    a few. Each daemon has a socket directory of its own (one daemon per device and directory)."""
+    flags, engine_flags = (NO_TUNE, "--dtype", "float32"), ("--max-model-len", "64")
+    sockets = {name: f"{module_env['TMPDIR']}/s{i}" for i, name in enumerate(SERVED)}
+    started = {}
+    for name in SERVED:
+        model = written[name] / "model"
+        started[name] = (module_procs.preload(model, *flags, "--weight-cache-socket-dir", sockets[name], ready=False,
+                                              name=f"daemon-{name}"),
+                         module_procs.serve(model, *flags, *engine_flags, ready=False, name=f"disk-{name}"))
+    for daemon, disk in started.values():
+        daemon.wait_for_log("Weight cache daemon READY")
+        disk.wait_for(lambda p=disk.port: _healthy(p), what="/health 200")
+    cached = {name: module_procs.serve(written[name] / "model", *flags, *engine_flags, "--load-format", "ipc_cache",
+                                       "--model-loader-extra-config", json.dumps(loader(sockets[name])),
+                                       ready=False, name=f"cache-{name}") for name in SERVED}
+    for c in cached.values():
+        c.wait_for(lambda p=c.port: _healthy(p), what="/health 200")
+    yield {name: (*started[name], cached[name], sockets[name]) for name in SERVED}
+    everything = [p for name in SERVED for p in (cached[name], *started[name])]
+    for p in everything:  # all at once: stopping them one by one waits for each exit in turn
+        p.proc.send_signal(signal.SIGTERM)
+    for p in everything:
+        p.stop()
+
+
+def loader(socket_dir: str | None) -> dict:
+    """The ipc_cache loader's settings: this daemon's sockets, and no silent disk fallback."""
+    return {"fallback": False, **({"socket_dir": socket_dir} if socket_dir else {})}
 
 
 def reference(case_dir: Path, dtype: str = "float32") -> dict:
@@ -124,7 +163,8 @@ def written_by(case_dir: Path) -> str:
     return json.loads((case_dir / "reference.json").read_text())["transformers"]
 
 
-def engine_logits(model_dir: Path, load_format: str, dtype: str = "auto") -> tuple[torch.Tensor, str]:
+def engine_logits(model_dir: Path, load_format: str, dtype: str = "auto",
+                  socket_dir: str | None = None) -> tuple[torch.Tensor, str]:
     """Every prompt position's logits from wcache's model bound to the weights of an engine's loader
     (in this process), and where they came from; ipc_cache with fallback off maps the running
     daemon's weights."""
@@ -132,7 +172,7 @@ def engine_logits(model_dir: Path, load_format: str, dtype: str = "auto") -> tup
     from wcache.engine.loading.registry import load_weights
 
     cfg = EngineConfig.build(str(model_dir), dtype, None, "cpu")
-    loaded = load_weights(cfg, load_format, parse_loader_config({"fallback": False}))
+    loaded = load_weights(cfg, load_format, parse_loader_config(loader(socket_dir)))
     try:
         model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), loaded.weights.bindable())
         logits = model(torch.tensor(IDS), 0, model.new_cache(len(IDS)), all_positions=True)
@@ -149,8 +189,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case.get("served", True)])
-def test_served_from_disk_and_from_the_cache_like_transformers(name, written, module_procs):
-    if CASES[name]["writer"] == 4 and tf4_missing():
+def test_served_from_disk_and_from_the_cache_like_transformers(name, written, served):
+    if name not in SERVED:
         pytest.skip(tf4_missing())
     case_dir = written[name]
     ref, model = reference(case_dir), case_dir / "model"
@@ -162,24 +202,16 @@ def test_served_from_disk_and_from_the_cache_like_transformers(name, written, mo
     scale = max(abs(x) for row in ref["logits"] for x in row)
     assert ref["min_margin"] > 2 * TOLERANCE[dtype] * scale, (ref["min_margin"], scale)
 
-    flags = (NO_TUNE, "--dtype", dtype)
-    daemon = module_procs.preload(model, *flags, ready=False, name=f"daemon-{name}")
-    disk = module_procs.serve(model, *flags, name=f"disk-{name}")
-    daemon.wait_for_log("Weight cache daemon READY")
-    cached = module_procs.serve(model, *flags, "--load-format", "ipc_cache", "--model-loader-extra-config",
-                                '{"fallback": false}', name=f"cache-{name}")
-    try:
-        assert "from disk" in disk.log() and "Mapped " in cached.log(), cached.log()
-        for engine in (disk, cached):
-            body = complete(engine.port, PROMPT, MAX_TOKENS)
-            assert body["choices"][0]["token_ids"] == ref["greedy"], (engine.args, written_by(case_dir))
-        for load_format in ("ipc_cache", "safetensors"):
-            logits, source = engine_logits(model, load_format, dtype)
-            assert ("weight cache" in source) == (load_format == "ipc_cache"), source
-            assert_close(logits, torch.tensor(ref["logits"]), TOLERANCE[dtype])
-    finally:
-        for p in (cached, disk, daemon):
-            p.stop()
+    daemon, disk, cached, socket_dir = served[name]
+    assert "from disk" in disk.log() and "Mapped " in cached.log(), cached.log()
+    for engine in (disk, cached):
+        body = complete(engine.port, PROMPT, MAX_TOKENS)
+        assert body["choices"][0]["token_ids"] == ref["greedy"], (engine.args, written_by(case_dir))
+    for load_format in ("ipc_cache", "safetensors"):
+        logits, source = engine_logits(model, load_format, dtype, socket_dir)
+        assert ("weight cache" in source) == (load_format == "ipc_cache"), source
+        assert_close(logits, torch.tensor(ref["logits"]), TOLERANCE[dtype])
+    assert daemon.proc.poll() is None
     if stored == "bfloat16":  # in the checkpoint's own dtype, as --dtype auto serves it
         logits, _ = engine_logits(model, "safetensors", "auto")
         assert_close(logits, torch.tensor(reference(case_dir, "bfloat16")["logits"]), TOLERANCE["bfloat16"])
