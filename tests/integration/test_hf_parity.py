@@ -244,3 +244,15 @@ def test_transformers_4_writes_what_the_4x_cases_claim(written):
     cfg5 = json.loads((written["tf5-gqa-head-dim-llama3-sharded"] / "model" / "config.json").read_text())
     assert cfg5["rope_parameters"]["rope_theta"] == 500000.0 and "rope_theta" not in cfg5
     assert written_by(written["tf5-bfloat16"]).startswith("5.")
+
+
+def test_the_guide_states_these_tolerances():
+    """docs/configuration.md quotes TOLERANCE; a change here must change the page."""
+    def short(x: float) -> str:  # 1e-05 -> 1e-5, as the page writes it
+        mantissa, exponent = f"{x:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text(encoding="utf-8").split())
+    assert f"within {short(TOLERANCE['float32'])} of the largest logit in float32" in text
+    assert f"within {short(TOLERANCE['bfloat16'])} in bfloat16" in text
+    assert "tests/integration/test_hf_parity.py" in text
