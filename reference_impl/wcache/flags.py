@@ -26,7 +26,7 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="weight and compute dtype; auto takes torch_dtype from config.json")
+                   help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
     p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
                    help="quantization method; default: the checkpoint's quantization_config, else none")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
