@@ -50,7 +50,7 @@ from wcache.errors import UserError
 from wcache.model import tokenizer
 from wcache.model.llama import Llama, bind_weights, build_meta_model
 
-log = logging.getLogger("wcache.workers")
+log = logging.getLogger("wcache.engine")
 
 SPEC_ENV = "WCACHE_WORKER_SPEC"
 OP_GENERATE, OP_STOP, OP_KEEPALIVE = 1, 2, 3

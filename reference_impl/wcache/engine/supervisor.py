@@ -18,7 +18,7 @@ import time
 
 from wcache.engine.runner import SPEC_ENV
 
-log = logging.getLogger("wcache.workers")
+log = logging.getLogger("wcache.engine")
 
 STOP_GRACE_S = 10.0
 WORKERS_STARTUP_FAILED = "Engine worker rank(s) exited during startup (exitcodes={codes})"

@@ -15,7 +15,7 @@ import torch
 from wcache.core.config import Ranks
 from wcache.errors import EngineWorldError
 
-log = logging.getLogger("wcache.workers")
+log = logging.getLogger("wcache.engine")
 
 # Idle ranks wait in a broadcast for the next request; rank 0 sends a keepalive well within the
 # collective timeout so an idle engine never times out, while a dead peer is still noticed.
