@@ -1,13 +1,12 @@
 """docs/gpu-transports.md quotes the H200 records in docs/benchmarks/: every figure and matrix cell is
 checked here against the JSON (and the GPU test logs), so none of them is typed by hand unchecked.
 
-* the handoff table and the phase table: rendered from the two llama-8b bench records and compared
-  row by row with the page;
-* every other figure in the page's prose (a number with a unit) must be one of those rendered values;
-* the machine line (GPU, driver, torch, CUDA) matches both records;
+* the handoff and phase tables are generated regions (tools/doc_tables.py, checked fresh by
+  tests/docs/test_tables.py); here: they show the newest llama-8b record of each transport, labelled
+  by its sampling, and the prose quotes no figure but the model's size from those records;
 * the namespace table: its cases, in order, are the ns-matrix records' cases, and each cell is
   `maps` or `fails` as the record says, for each transport;
-* the GPU test results quoted are the logs' summary lines and failure;
+* the GPU test results quoted are the logs' summary lines and failures;
 * the messages quoted are the code's.
 """
 
@@ -15,28 +14,22 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import plot_bench  # noqa: E402
+
 PAGE = ROOT / "docs" / "gpu-transports.md"
 BENCH = ROOT / "docs" / "benchmarks"
 TRANSPORTS = ("cuda_ipc", "vmm_fd")
-BENCH_RECORDS = {t: BENCH / f"2026-12-02-h200-llama-8b-{t}.json" for t in TRANSPORTS}
 MATRIX_RECORDS = {t: BENCH / f"2026-12-02-h200-ns-matrix-{t}.json" for t in TRANSPORTS}
-GPU_LOG = BENCH / "2026-12-02-h200-gpu-tests.log"
-RELEASE_LOG = BENCH / "2026-12-02-h200-gpu-vmm-release-test.log"
+GPU_LOG = BENCH / "2026-12-03-h200-gpu-tests.log"
+OLD_GPU_LOG = BENCH / "2026-12-02-h200-gpu-tests.log"
 FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?: ?(?:ms|µs|s|GiB|MiB|GB|MB)\b|x\b)")
-PHASES = ("key", "connect", "request", "map", "bind")
-
-
-def fmt_ms(ms: float) -> str:
-    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.2f} ms"
-
-
-def fmt_s(s: float) -> str:
-    return f"{s:.2f} s" if s >= 1 else fmt_ms(s * 1e3)
 
 
 def page() -> str:
@@ -44,64 +37,32 @@ def page() -> str:
 
 
 def prose(text: str) -> str:
-    """The page without its fenced blocks and HTML comments."""
+    """The page without its fenced blocks, HTML comments and generated regions."""
+    text = re.sub(r"(?s)<!-- generated: [^>]*-->.*?<!-- end generated -->", "", text)
     text = re.sub(r"(?ms)^(```+|~~~+).*?^\1\s*$", "", text)
     return re.sub(r"(?s)<!--.*?-->", "", text)
 
 
-def record(t: str) -> dict:
-    return json.loads(BENCH_RECORDS[t].read_text(encoding="utf-8"))
+def newest() -> dict:
+    return {plot_bench.transport_of(p, d): (p, d) for p, d in plot_bench._newest_per_transport("llama-8b", BENCH)}
 
 
-def handoff_row(t: str) -> str:
-    d = record(t)
-    s, m = d["seconds"], d["model"]
-    samples = ", ".join(fmt_s(x) for x in d["samples"]["zero_copy"])
-    return (f"| `{t}` | {m['tensors']:,} | {m['bytes'] / 2**30:.2f} GiB | {fmt_s(s['disk'])} | {fmt_s(s['zero_copy'])} "
-            f"| {samples} | {fmt_s(s['copy'])} | {d['ratios']['disk_over_zero_copy']:.1f}x |")
-
-
-def phases_row(t: str) -> str:
-    ph = record(t)["zero_copy_phases_ms"]
-    return f"| `{t}` | " + " | ".join(fmt_ms(ph[p]) for p in PHASES) + " |"
-
-
-def test_records_are_the_transports_they_are_named_after():
-    # The cuda_ipc record predates the "transport" field; its map step (a legacy handle open of the
-    # whole arena) is what tells it apart. The vmm_fd record names its arena kind.
-    assert record("vmm_fd")["transport"] == "cuda_vmm_fd"
-    assert record("cuda_ipc").get("transport", "cuda_ipc") == "cuda_ipc"
-    for t in TRANSPORTS:
-        assert record(t)["environment"]["device"] == "cuda" and record(t)["model"]["tensors"] == 195
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_handoff_and_phase_rows_equal_the_records(transport):
+def test_the_tables_show_the_newest_record_of_each_transport_and_its_sampling():
+    recs = newest()
+    assert set(recs) == set(TRANSPORTS)
     text = page()
-    assert handoff_row(transport) in text.splitlines(), handoff_row(transport)
-    assert phases_row(transport) in text.splitlines(), phases_row(transport)
+    for t, (path, d) in recs.items():
+        assert d["environment"]["device"] == "cuda" and d["model"]["tensors"] == 195
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{t}` | ") and path.name in line)
+        assert plot_bench.sampling_label(d) in row
+    assert plot_bench.transports_table() in text and plot_bench.transports_phases() in text
 
 
-def test_every_figure_in_the_prose_is_a_checked_value():
-    checked = set()
-    for t in TRANSPORTS:
-        checked |= set(FIGURE.findall(handoff_row(t) + phases_row(t)))
-    text = prose(page())
-    for t in TRANSPORTS:  # the checked tables themselves
-        text = text.replace(handoff_row(t), "").replace(phases_row(t), "")
-    found = FIGURE.findall(text)
-    assert found, "the prose quotes figures; the pattern must find them"
-    assert [f for f in found if f not in checked] == []
-
-
-def test_machine_line_matches_both_records():
-    text = " ".join(page().split())
-    for t in TRANSPORTS:
-        e = record(t)["environment"]
-        line = f"{e['gpu']}, driver {e['driver']}, torch {e['torch']}, CUDA {e['cuda']}"
-        assert line in text, line
-        assert record(t)["repeat"] == 3 and "median of three samples" in text
-        assert BENCH_RECORDS[t].name in text
+def test_the_prose_quotes_only_the_models_size_from_the_records():
+    _, d = newest()["vmm_fd"]
+    found = FIGURE.findall(prose(page()))
+    assert found == [plot_bench.fmt_bytes(d["model"]["bytes"])]
+    assert f"{d['model']['tensors']} tensors" in page()
 
 
 def _matrix_rows(text: str) -> list[list[str]]:
@@ -139,23 +100,22 @@ def test_namespace_table_equals_the_matrix_records():
 
 def test_gpu_test_results_are_the_logs():
     text = " ".join(page().split())
-    log, release = GPU_LOG.read_text(encoding="utf-8"), RELEASE_LOG.read_text(encoding="utf-8")
-    assert "1 failed, 12 passed" in log.splitlines()[-1] and "`1 failed, 12 passed`" in text
-    assert re.findall(r"^FAILED (\S+)", log, re.M) == \
+    log, old = GPU_LOG.read_text(encoding="utf-8"), OLD_GPU_LOG.read_text(encoding="utf-8")
+    assert "1 failed, 17 passed" in log.splitlines()[-1] and "`1 failed, 17 passed`" in text
+    assert re.findall(r"^FAILED (\S+)", log, re.M) == [
+        "tests/gpu/test_cuda_path.py::test_a_restarted_daemon_adopts_a_vmm_arena_and_reloads_a_cuda_ipc_one[cuda_ipc]"]
+    assert re.findall(r"^PASSED (\S+)", log, re.M).count(
+        "tests/gpu/test_cuda_path.py::test_copy_mode_release_returns_the_daemons_memory[vmm_fd]") == 1
+    assert re.findall(r"^FAILED (\S+)", old, re.M) == \
         ["tests/gpu/test_cuda_path.py::test_copy_mode_release_returns_the_daemons_memory[vmm_fd]"]
     assert "`test_copy_mode_release_returns_the_daemons_memory[vmm_fd]`" in text
-    assert "1 passed, 12 deselected" in release.splitlines()[-1] and "`1 passed, 12 deselected`" in text
-    # "passed with both transports": the test is parametrized over both, and only the copy release failed.
-    src = (ROOT / "tests" / "gpu" / "test_cuda_path.py").read_text(encoding="utf-8")
-    assert '@pytest.fixture(params=["cuda_ipc", "vmm_fd"])' in src
-    assert "def test_zero_copy_engine_keeps_serving_after_the_daemon_is_killed(gpu," in src
+    assert "`test_a_restarted_daemon_adopts_a_vmm_arena_and_reloads_a_cuda_ipc_one`" in text
 
 
 def test_quoted_messages_are_the_codes():
-    from wcache.wire import cuda_vmm
     from wcache import errors
-    from wcache.errors import LoaderConfigError
-    from wcache.engine.loading.config import parse_loader_config
+    from wcache.engine.loading.config import LoaderConfigError, parse_loader_config
+    from wcache.wire.transports import cuda_vmm
 
     text = " ".join(page().split())
     assert errors.REASONS["transport"].format(served="cuda_ipc", wanted="vmm_fd") in text
@@ -164,7 +124,8 @@ def test_quoted_messages_are_the_codes():
     quoted = "transport must be one of ['auto', 'cuda_ipc', 'vmm_fd'], "
     assert str(e.value).startswith(quoted) and quoted in text
     if cuda_vmm.available():
-        pytest.skip("cuda-bindings is installed here: the missing-package message cannot be produced")
+        pytest.skip("the CUDA driver library is here: the message for its absence cannot be produced")
     with pytest.raises(cuda_vmm.CudaVmmError) as e:
-        cuda_vmm._driver()
-    assert f"`{e.value}`" in text
+        cuda_vmm.driver()
+    prefix = str(e.value).split("(")[0]
+    assert prefix.startswith("the vmm_fd transport needs") and f"`{prefix}(...)`" in text

@@ -8,6 +8,7 @@ import pytest
 from itest import run_cli
 from wcache.bench import render_table
 from wcache.bench_start import ENGINE_PHASES
+from wcache.errors import BenchError
 
 
 def bench(model, env, repeat: int) -> dict:
@@ -49,17 +50,19 @@ def test_bench_json_has_seconds_and_ratios(tiny_model, wcache_env):
     assert "engine start to /health 200" in table and "daemon restart to READY" in table
 
 
-def test_a_daemon_that_fails_to_start_has_its_last_log_lines_printed(tmp_path, wcache_env):
-    """The bench's work directory is gone when it exits: the daemon's own lines must be in its output."""
-    model = tmp_path / "not-a-model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    p = run_cli("bench", "--model", str(model), "--device", "cpu", "--repeat", "1", env=wcache_env, timeout=300)
+def test_a_daemon_that_fails_to_start_has_its_last_log_lines_printed(tiny_model, wcache_env, tmp_path):
+    """The bench's work directory is gone when it exits: the daemon's own lines must be in its output.
+    Here the daemon cannot save its autotune result (the cache directory is a file), which is fatal
+    for a daemon and touches nothing of the bench's disk samples before it."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    env = {**wcache_env, "WCACHE_AUTOTUNE_CACHE_DIR": str(blocker)}
+    p = run_cli("bench", "--model", str(tiny_model), "--device", "cpu", "--repeat", "1", env=env, timeout=300)
     assert p.returncode == 2, p.stderr
-    last = p.stderr.strip().splitlines()[-1]
-    print(p.stderr[-3000:])
-    assert "wcache bench:" in last and "log lines are above" in last
-    assert "daemon: " in p.stderr or "sample" in last
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].endswith(BenchError.DAEMON.format(code=2, lines=20)), lines[-1]
+    quoted = [line for line in lines if "[wcache.bench] daemon: " in line]
+    assert quoted and any("Autotune" in line for line in quoted), p.stderr[-3000:]
 
 
 @pytest.mark.slow
