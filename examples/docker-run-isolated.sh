@@ -2,7 +2,7 @@
 # The weight cache daemon and the engine in two containers that share nothing but two volumes:
 # no --ipc=host, no --pid=host, no shared /dev/shm. Each container keeps its own PID and IPC
 # namespaces. On a GPU this needs the vmm_fd transport, which hands the weights over as a file
-# descriptor on the Unix socket, and an image with NVIDIA's cuda-bindings package
+# descriptor on the Unix socket and needs only the NVIDIA driver in both containers
 # (docs/gpu-transports.md). docs/docker.md gives the reason for the other flags.
 # Settings, from the environment:
 #   MODEL_DIR    the model directory on the host (config.json and *.safetensors); required

@@ -153,16 +153,17 @@ def bench_keys_table(bench_dir: Path = BENCH_DIR) -> str:
     return "\n".join(rows)
 
 
-def phases_table(bench_dir: Path = BENCH_DIR) -> str:
-    """Where a zero_copy handoff spends its time, for the records that have the phases."""
-    recs = [(p, d) for p, d in bench_records(bench_dir) if d.get("zero_copy_phases_ms")]
+def phases_table(bench_dir: Path = BENCH_DIR, key: str = "zero_copy_phases_ms") -> str:
+    """Where a zero_copy (or, with ``copy_phases_ms``, a copy) handoff spends its time, for the
+    records that have the phases."""
+    recs = [(p, d) for p, d in bench_records(bench_dir) if d.get(key)]
     names: list[str] = []
     for _, d in recs:
-        names += [k for k in d["zero_copy_phases_ms"] if k not in names]
+        names += [k for k in d[key] if k not in names]
     rows = ["| Model | Transport | Sampling | " + " | ".join(names) + " |",
             "| --- | --- | --- |" + " ---: |" * len(names)]
     for path, d in recs:
-        ph = d["zero_copy_phases_ms"]
+        ph = d[key]
         rows.append(f"| {run_label(path)} | `{transport_of(path, d)}` | {sampling_label(d)} | "
                     + " | ".join(f"{ph[n]:.3f} ms" if n in ph else "" for n in names) + " |")
     return "\n".join(rows)
@@ -203,7 +204,13 @@ def targets_table(bench_dir: Path = BENCH_DIR) -> str:
     """Each GPU target against every record of its model: met, or the factor still missing."""
     rows = ["| Target | Model | Transport | Goal | Measured | Result |", "| --- | --- | --- | ---: | ---: | --- |"]
     for label, model, what, goal, higher in TARGETS:
-        for path, d in bench_records(bench_dir):
+        sign = ">=" if higher else "<="
+        judged = [(p, d) for p, d in bench_records(bench_dir)
+                  if run_label(p) == model and fresh(d) and _target_value(d, what) is not None]
+        if not judged:
+            rows.append(f"| {label} | {model} | | {sign} {_target_cell(what, goal)} | | "
+                        "not measured yet with fresh-process sampling |")
+        for path, d in judged:
             if run_label(path) != model or not fresh(d):
                 continue
             v = _target_value(d, what)
@@ -212,10 +219,13 @@ def targets_table(bench_dir: Path = BENCH_DIR) -> str:
             met = v >= goal if higher else v <= goal
             factor = goal / v if higher else v / goal
             result = "met" if met else f"missed: {factor:.1f}x short"
-            sign = ">=" if higher else "<="
             rows.append(f"| {label} | {model} | `{transport_of(path, d)}` | {sign} {_target_cell(what, goal)} "
                         f"| {_target_cell(what, v)} | {result} |")
     return "\n".join(rows)
+
+
+def copy_phases_table(bench_dir: Path = BENCH_DIR) -> str:
+    return phases_table(bench_dir, "copy_phases_ms")
 
 
 def engine_start_table(bench_dir: Path = BENCH_DIR) -> str:

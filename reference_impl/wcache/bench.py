@@ -1,18 +1,23 @@
-"""`wcache bench`: time "weights ready" for disk, zero_copy and copy in one run, plus the key's cost.
+"""`wcache bench`: time "weights ready" for disk, zero_copy and copy in one run, plus the key's cost,
+an engine's whole start to /health 200, and a daemon restart that adopts a running engine's arena.
 
 "Weights ready" is what an engine restart waits for before it can bind its model: for disk, read
 the shards and post-process; for the cache, compute the key, ask the daemon and bind views (copy
-mode also clones). The bench process plays the engine; a real `wcache preload` daemon runs beside
-it with a private socket directory. Ratios come from figures measured in this one run.
+mode also clones). Every sample runs in a fresh process, beside a real `wcache preload` daemon with
+a private socket directory. The engine start is a real `wcache serve` process timed from its spawn
+to the first /health 200, its own start-up split into ``ENGINE_PHASES`` (bench_start.py). Ratios
+come from figures measured in this one run.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +33,8 @@ from wcache.core.config import EngineConfig
 from wcache.engine.loading.registry import load_weights
 from wcache.core.fingerprint import RACY_WINDOW_NS, checkpoint_digest
 from wcache.engine.loading.config import LoaderConfig
+from wcache.daemon.launcher import READY
+from wcache.errors import BenchError
 
 log = logging.getLogger("wcache.bench")
 
@@ -67,7 +74,7 @@ def _warm_device(cfg) -> None:
     """A restarted engine creates its CUDA context whatever the weights' source: keep that out of
     every sample alike."""
     if cfg.device == "cuda":
-        from wcache.wire.cuda_ipc import cudart
+        from wcache.wire.transports.cuda_ipc import cudart
 
         torch.empty(1, device=cfg.torch_device)
         cudart()
@@ -81,8 +88,19 @@ def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = No
     out = subprocess.run([sys.executable, "-m", "wcache.bench", json.dumps(spec)], capture_output=True, text=True,
                          timeout=1800)
     if out.returncode != 0:
-        raise RuntimeError(f"bench sample ({load_format}) failed:\n{out.stderr[-2000:]}")
+        _log_tail(f"bench sample ({load_format})", out.stderr)
+        raise BenchError(BenchError.SAMPLE.format(what=f"a {load_format} sample", code=out.returncode))
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+TAIL_LINES = 20
+
+
+def _log_tail(who: str, text: str) -> None:
+    """The last lines a failed process wrote, printed by the bench itself: its work directory is
+    removed when the bench ends, so a path to the log would point at nothing."""
+    for line in collections.deque(text.splitlines(), TAIL_LINES):
+        log.error("%s: %s", who, line)
 
 
 def _sample_main(spec: dict) -> None:
@@ -102,20 +120,38 @@ class DaemonUnderTest:
 
     def __init__(self, model: str, device: str, dtype: str, socket_dir: Path, transport: str = "auto"):
         self.socket_dir = socket_dir
-        cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "WARNING", "preload", "--model", model,
+        cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "preload", "--model", model,
                "--device", device, "--dtype", dtype, "--weight-cache-socket-dir", str(socket_dir),
                "--weight-cache-transport", transport]
-        self.log = open(socket_dir.parent / "daemon.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = socket_dir.parent / "daemon.log"
+        self.start = len(self.log_path.read_bytes()) if self.log_path.exists() else 0
+        self.log = open(self.log_path, "ab")
+        t0 = time.monotonic()
+        # Its own session: a restart measurement kills the launcher and its ranks together.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 1800
-        while not any(socket_dir.glob("*.sock")):
+        # Ready is the launcher's READY line: a killed daemon's socket file (and an engine's
+        # hand-back offer) can lie in the directory before this daemon has bound anything.
+        while READY not in self.text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon failed to start; see {self.log.name}")
-            time.sleep(0.05)
+                self.proc.poll() is None and self.kill()
+                _log_tail("daemon", self.text())
+                raise BenchError(BenchError.DAEMON.format(code=self.proc.returncode, lines=TAIL_LINES))
+            time.sleep(0.01)
+        self.ready_s = time.monotonic() - t0
+
+    def text(self) -> str:
+        """What this daemon logged (the log file is shared by every daemon of the run)."""
+        return self.log_path.read_bytes()[self.start:].decode(errors="replace")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(60)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
         self.log.close()
 
 
@@ -144,7 +180,7 @@ def run_bench(args) -> int:
     load_weights(cfg, "safetensors")  # warm the page cache: the baseline is a warm-cache disk load
     disk = [sample_in_fresh_process(args, "safetensors")["seconds"] for _ in range(n)]
 
-    zero_copy, copy, phases = [], [], []
+    zero_copy, copy, phases, copy_phases = [], [], [], []
     lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
     lc_copy = LoaderConfig(mode="copy", fallback=True, socket_dir=str(sockets))
     daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
@@ -161,7 +197,22 @@ def run_bench(args) -> int:
                 daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
             r = sample_in_fresh_process(args, "ipc_cache", lc_copy)
             copy.append(r["seconds"])
+            copy_phases.append(r["phases"])
             nbytes = r["nbytes"]
+        # The restart a user lives through: engine process start to /health 200, disk and cache.
+        daemon.stop()
+        daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
+        from wcache.bench_start import engine_start, handback_restart
+
+        engine_start(args, work, "ipc_cache", lc_zero)  # not kept: the first start of the run
+        starts = {"disk": [], "ipc_cache": []}
+        for _ in range(n):
+            for fmt in starts:
+                starts[fmt].append(engine_start(args, work, "ipc_cache", lc_zero) if fmt == "ipc_cache"
+                                   else engine_start(args, work, "safetensors"))
+        handback = handback_restart(args, work, daemon, lc_zero, lambda: DaemonUnderTest(
+            cfg.model, cfg.device, args.dtype, sockets, args.transport))
+        daemon = handback.pop("daemon")
     finally:
         daemon.stop()
 
@@ -177,6 +228,9 @@ def run_bench(args) -> int:
                     "key_first_sight": round(key_first, 6), "key_restart": round(key_cached, 6)},
         "samples": {"disk": disk, "zero_copy": zero_copy, "copy": copy},
         "zero_copy_phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 3) for k in phases[0]},
+        "copy_phases_ms": {k: round(1e3 * statistics.median(p[k] for p in copy_phases), 3) for k in copy_phases[0]},
+        "engine_start": _engine_start_summary(starts),
+        "handback": handback,
         "ratios": {
             "disk_over_zero_copy": round(med["disk"] / med["zero_copy"], 2),
             "disk_over_copy": round(med["disk"] / med["copy"], 2),
@@ -196,6 +250,18 @@ def run_bench(args) -> int:
     return 0
 
 
+def _engine_start_summary(starts: dict) -> dict:
+    """Medians of the engine starts per load format: total seconds to /health 200 and each phase."""
+    out = {}
+    for fmt, samples in starts.items():
+        out[fmt] = {"seconds": round(statistics.median(s["seconds"] for s in samples), 4),
+                    "samples": [round(s["seconds"], 4) for s in samples],
+                    "phases_s": {k: round(statistics.median(s["phases"][k] for s in samples), 4)
+                                 for k in samples[0]["phases"]}}
+    out["disk_over_ipc_cache"] = round(out["disk"]["seconds"] / out["ipc_cache"]["seconds"], 2)
+    return out
+
+
 def render_table(r: dict) -> str:
     s, ratios, env = r["seconds"], r["ratios"], r["environment"]
     lines = [
@@ -210,6 +276,19 @@ def render_table(r: dict) -> str:
         f"cache key: first sight {s['key_first_sight']:.4f} s ({ratios['key_first_sight_over_disk']:.1%} of disk), "
         f"restart {s['key_restart']:.4f} s ({ratios['key_restart_over_disk']:.2%} of disk)",
     ]
+    if "copy_phases_ms" in r:
+        lines.append("copy steps (ms): " + ", ".join(f"{k} {v}" for k, v in r["copy_phases_ms"].items()))
+    e = r.get("engine_start")
+    if e:
+        lines.append(f"engine start to /health 200: disk {e['disk']['seconds']:.3f} s, ipc_cache "
+                     f"{e['ipc_cache']['seconds']:.3f} s ({e['disk_over_ipc_cache']}x)")
+        for fmt in ("disk", "ipc_cache"):
+            lines.append(f"{fmt} start phases (s): " + ", ".join(f"{k} {v}" for k, v in e[fmt]["phases_s"].items()))
+    h = r.get("handback")
+    if h:
+        lines.append(f"daemon restart to READY: {h['restart_to_ready_s']:.3f} s "
+                     f"({'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'}); "
+                     f"first start {h['first_start_to_ready_s']:.3f} s")
     return "\n".join(lines)
 
 

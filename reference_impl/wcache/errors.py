@@ -122,6 +122,13 @@ class SeedConfigError(UserError):
     PORT_IN_USE = "Cannot listen for seeding on {address}: {error}"
 
 
+class BenchError(UserError):
+    """`wcache bench` could not take a measurement; the failed process's last log lines are printed above."""
+
+    DAEMON = "wcache bench: the weight cache daemon failed to start (exit status {code}); its last {lines} log lines are above"
+    SAMPLE = "wcache bench: {what} failed (exit status {code}); its last log lines are above"
+
+
 class WaitError(UserError):
     """`wcache wait` (wait.py): what it was still waiting for when it gave up."""
     TIMEOUT = "Not ready after {timeout:g}s: still waiting for {what}"

@@ -211,7 +211,81 @@ class PeakTracker(TorchDispatchMode):
         return out
 
 
+ACTIVATION_FORMAT = "wcache-activation-peak"
+ACTIVATION_REUSED = "Activation peak: {size} for {tokens} tokens, measured by an earlier start ({path})"
+ACTIVATION_MEASURED = "Activation peak: {size} for {tokens} tokens, measured in {seconds:.2f} s; saved to {path}"
+
+
+def activation_key(model, tokens: int) -> dict:
+    """Everything that can change the measured peak, as the autotune cache keys its results: the
+    model's shapes and dtype on this rank, each projection's implementation (the autotune winners),
+    the device, torch and wcache versions, the allocator settings and the token count."""
+    from wcache import __version__
+    from wcache.model.llama import Linear
+
+    device = model.device
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return {"format": ACTIVATION_FORMAT, "wcache_version": __version__, "torch_version": torch.__version__,
+            "shape": repr(model.shape), "dtype": str(model.dtype), "tokens": tokens,
+            "quantization": sorted({type(m.quant).__name__ for m in linears}),
+            "impls": sorted({_impl_name(m.impl) for m in linears}),
+            "device_kind": device.type,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "cuda": torch.version.cuda if device.type == "cuda" else None,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+
+
+def _impl_name(impl) -> str:
+    """A projection's implementation by its autotune name: a function's repr holds its address."""
+    from wcache.core.autotune import ALL
+
+    if isinstance(impl, str):
+        return impl
+    return next((name for name, fn in ALL.items() if fn is impl), repr(impl))
+
+
+def _activation_path(key: dict):
+    import hashlib
+
+    from wcache.core.fingerprint import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    return cache_root() / "activation-peak" / f"{digest}.json"
+
+
 def measure_activation_peak(model, tokens: int) -> int:
+    """The activation peak of ``model`` over ``tokens``, remembered on disk like the autotune results:
+    a restarted engine with the same shapes, dtype, kernels and device reads it instead of running
+    the profiling forward again. A record that cannot be read or written costs only a measurement."""
+    import tempfile
+    import time
+
+    key = activation_key(model, tokens)
+    path = _activation_path(key)
+    try:
+        doc = json.loads(path.read_text())
+        peak = doc["bytes"]
+        if doc.get("key") == key and isinstance(peak, int) and not isinstance(peak, bool) and peak >= 0:
+            log.info(ACTIVATION_REUSED.format(size=format_bytes(peak), tokens=tokens, path=path))
+            return peak
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    t0 = time.perf_counter()
+    peak = _measure_activation_peak(model, tokens)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "bytes": peak}, f)
+        os.replace(tmp, path)  # readers see the old record or the new one, never half of one
+        log.info(ACTIVATION_MEASURED.format(size=format_bytes(peak), tokens=tokens, path=path,
+                                            seconds=time.perf_counter() - t0))
+    except OSError as e:
+        log.warning("Could not save the activation peak to %s (%s); the next start measures it again", path, e)
+    return peak
+
+
+def _measure_activation_peak(model, tokens: int) -> int:
     """Bytes of activations at the peak of one forward pass over ``tokens`` dummy tokens (a prefill of
     the longest prompt the engine accepts). The KV cache it needs is allocated first and not counted."""
     s = model.shape
