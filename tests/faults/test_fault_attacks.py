@@ -33,7 +33,7 @@ from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key
 from wcache.daemon import arena_record
-from wcache.daemon.rank import ACCEPT_FAILED_LOG, REQUEST_TIMEOUT_S, UNREAD_LOG
+from wcache.daemon.rank import ACCEPT_FAILED_LOG, CLIENT_IO_LOG, REQUEST_TIMEOUT_S, UNREAD_LOG
 from wcache.errors import ARENA_NOT_RECORDED, ARENA_RECORD_UNSAFE, DAEMON_ERRORS, OFFER_SKIPPED, DaemonLockError, SocketSecurityError
 from wcache.wire.handback import ASK_BUDGET_S, OFFER_PREFIX
 from wcache.wire.protocol import MAX_FDS, MAX_FRAME_BYTES, recv_frame, reply, request, send_frame
@@ -444,6 +444,8 @@ def test_a_frame_sent_a_byte_a_second_is_cut_at_the_total_deadline(daemon, sock)
             if time.monotonic() - t0 > REQUEST_TIMEOUT_S + 10:
                 break
     assert closed is not None and closed <= REQUEST_TIMEOUT_S + 3, closed  # was 82 s for this frame
+    line = re.escape(CLIENT_IO_LOG).replace("%d", r"\d+").replace("%s", "frame not complete within")
+    assert re.search(line, daemon.log()), daemon.log()[-2000:]
     assert call(s_path, "get_memory")["ok"]
     figure("a frame at 1 byte a second", frame_bytes=len(data), closed_after_s=closed)
 

@@ -84,7 +84,12 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: _Deadline
     while len(buf) < n:
         if deadline is not None:
             deadline.apply(len(buf), n)
-        chunk, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
+        try:
+            chunk, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
+        except TimeoutError:
+            if deadline is not None:
+                deadline.apply(len(buf), n)  # past the frame's deadline: say so, not just "timed out"
+            raise
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got = array.array("i")
