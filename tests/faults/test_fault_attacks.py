@@ -34,7 +34,7 @@ from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key
 from wcache.daemon import arena_record
 from wcache.daemon.rank import ACCEPT_FAILED_LOG, CLIENT_IO_LOG, REQUEST_TIMEOUT_S, UNREAD_LOG
-from wcache.errors import ARENA_NOT_RECORDED, ARENA_RECORD_UNSAFE, DAEMON_ERRORS, OFFER_SKIPPED, DaemonLockError, SocketSecurityError
+from wcache.errors import ARENA_NOT_RECORDED, ARENA_RECORD_UNSAFE, ARENA_RECORDED, DAEMON_ERRORS, OFFER_SKIPPED, DaemonLockError, SocketSecurityError
 from wcache.wire.handback import ASK_BUDGET_S, OFFER_PREFIX
 from wcache.wire.protocol import MAX_FDS, MAX_FRAME_BYTES, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import socket_name
@@ -132,6 +132,8 @@ def test_a_forged_hand_back_is_never_adopted(fault_procs, tiny_model, cfg, tmp_p
     key = cache_key(cfg)
     genuine = served_bytes(sock, key)
     real_id = call(sock, "get_state", key=key, mode="copy")["arena"]["id"]
+    assert re.search(re.escape(ARENA_RECORDED.split(" (")[0]).replace(r"\{rank\}", "0").replace(r"\{kind\}", "memfd"),
+                     first.log()), first.log()
     first.stop()
 
     # The record a daemon keeps of what it packed: outside the socket directory, 0600 in 0700.

@@ -138,9 +138,9 @@ class RankDaemon:
             self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
             if self.spec.get("adopt", True):  # what a restarted daemon may adopt: this arena only
                 if self.arena.kind == "memfd":  # an fstat: at once
-                    arena_record.write(self.socket_path, self.arena)
+                    arena_record.write(self.socket_path, self.arena, self.rank)
                 else:  # hashing GPU memory takes seconds per GiB: not on the way to serving
-                    self.recording = threading.Thread(target=arena_record.write, args=(self.socket_path, self.arena),
+                    self.recording = threading.Thread(target=arena_record.write, args=(self.socket_path, self.arena, self.rank),
                                                       name="wcache-arena-record", daemon=True)
                     self.recording.start()
             self.aliases, self.attrs = weights.aliases, weights.attrs
