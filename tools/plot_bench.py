@@ -153,10 +153,15 @@ def bench_keys_table(bench_dir: Path = BENCH_DIR) -> str:
     return "\n".join(rows)
 
 
+NO_RECORD = "No published record has measured this yet."
+
+
 def phases_table(bench_dir: Path = BENCH_DIR, key: str = "zero_copy_phases_ms") -> str:
     """Where a zero_copy (or, with ``copy_phases_ms``, a copy) handoff spends its time, for the
     records that have the phases."""
     recs = [(p, d) for p, d in bench_records(bench_dir) if d.get(key)]
+    if not recs:
+        return NO_RECORD
     names: list[str] = []
     for _, d in recs:
         names += [k for k in d[key] if k not in names]
@@ -232,6 +237,8 @@ def engine_start_table(bench_dir: Path = BENCH_DIR) -> str:
     """An engine process from spawn to /health 200, disk against the cache, and where its own
     start-up spends the time (bench_start.ENGINE_PHASES), for the records that timed it."""
     recs = [(p, d) for p, d in bench_records(bench_dir) if d.get("engine_start")]
+    if not recs:
+        return NO_RECORD
     names: list[str] = []
     for _, d in recs:
         for fmt in ("disk", "ipc_cache"):
@@ -257,7 +264,7 @@ def handback_table(bench_dir: Path = BENCH_DIR) -> str:
             rows.append(f"| {run_label(path)} | `{transport_of(path, d)}` | {fmt_seconds(h['first_start_to_ready_s'])} "
                         f"| {fmt_seconds(h['restart_to_ready_s'])} "
                         f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} |")
-    return "\n".join(rows)
+    return "\n".join(rows) if len(rows) > 2 else NO_RECORD
 
 
 def _newest_per_transport(model: str, bench_dir: Path) -> list[tuple[Path, dict]]:
