@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
-from wcache.errors import BenchError, LEASE_LOST
+from wcache.errors import ARENA_RECORDED, BenchError, LEASE_LOST
 
 ENGINE_PHASES = ("interpreter", "imports", "cuda_context", "weights", "autotune", "activation_peak", "kv_alloc", "other")
 _BOOT = ("import time; T0 = time.monotonic(); import json, sys; from wcache.bench_start import serve_timed; "
@@ -110,6 +110,14 @@ def handback_restart(args, work: Path, daemon, lc, new_daemon) -> dict:
     first = daemon.ready_s
     eng = EngineUnderTest(args, work, "ipc_cache", lc)
     try:
+        # A GPU arena's record (its digest) is written in the background after READY; a daemon killed
+        # before that leaves nothing to adopt against, and the restart would time a disk load.
+        recorded = ARENA_RECORDED.split(" {kind}")[0].replace("Rank {rank}", "")
+        deadline = time.monotonic() + 300
+        while recorded not in daemon.text():
+            if time.monotonic() > deadline:
+                raise BenchError(BenchError.SAMPLE.format(what="the daemon's arena record", code=None))
+            time.sleep(0.05)
         daemon.kill()
         daemon.stop()
         deadline = time.monotonic() + 60

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from tools.docs_runner import coverage
-from tools.docs_runner.markers import MarkerError
 from tools.docs_runner.page import run_page
 from tools.docs_runner.parse import display, doc_pages, extract_blocks
 from tools.docs_runner.substitutions import load_substitutions
@@ -22,15 +21,10 @@ def _pages() -> list[Path]:
     return doc_pages()
 
 
-def _has_gpu_only_blocks(page: Path) -> bool:
-    try:
-        return any(coverage.is_gpu_only(b) for b in extract_blocks(page))
-    except MarkerError:
-        return False  # test_page reports it
-
-
 PAGES = _pages()
-GPU_PAGES = [p for p in PAGES if _has_gpu_only_blocks(p)]
+# On a CUDA host every page runs again as the reader types it there: substitutions off, GPU-only
+# blocks included. A page's `--device cpu` lines stay on the CPU, as they would for that reader.
+GPU_PAGES = PAGES
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[display(p) for p in PAGES])
@@ -39,15 +33,13 @@ def test_page(page: Path) -> None:
     run_page(page, recorder=coverage.SESSION)
 
 
-_GPU_PARAMS = [pytest.param(p, id=display(p)) for p in GPU_PAGES] or [
-    pytest.param(None, id="none", marks=pytest.mark.skip(reason="no page has GPU-only blocks"))
-]
+_GPU_PARAMS = [pytest.param(p, id=display(p)) for p in GPU_PAGES]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", _GPU_PARAMS)
 def test_page_on_gpu(page: Path) -> None:
-    """On a CUDA host (`make test-gpu`): the page again, GPU-only blocks included, unsubstituted."""
+    """On a CUDA host (`make test-gpu`): every page again, GPU-only blocks included, unsubstituted."""
     if not os.environ.get(coverage.GPU_ENV) or shutil.which("nvidia-smi") is None:
         pytest.skip(f"GPU-only blocks run on a CUDA host with {coverage.GPU_ENV}=1")
     coverage.SESSION.used = True
