@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # faultlib
 
-from faultlib import TALLY
+from faultlib import TALLY, default_socket, rank_pids
 from procs import Processes, private_env
 
 
@@ -34,6 +34,18 @@ def fault_procs(tmp_path_factory, fault_env):
     p = Processes(tmp_path_factory.mktemp("fault-procs"), fault_env)
     yield p
     p.stop_all()
+
+
+# A module that starts its own `daemon` fixture gets its socket and its one rank's pid from these.
+@pytest.fixture(scope="module")
+def sock(daemon, fault_env):
+    return default_socket(fault_env)
+
+
+@pytest.fixture(scope="module")
+def rank(daemon):
+    [pid] = rank_pids(daemon.pid)
+    return pid
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -9,7 +9,6 @@ latency) is measured and shown in docs/faults.md (attacklib.figure).
 from __future__ import annotations
 
 import array
-import fcntl
 import json
 import mmap
 import os
@@ -26,8 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from attacklib import Peak, figure, fds, rss_mib, threads, timed
-from faultlib import call, default_socket, frame, rank_pids, settle, split_replies, wait_until
-from procs import free_port
+from faultlib import call, frame, settle, split_replies, wait_until
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
@@ -53,17 +51,6 @@ def cfg(tiny_model):
 @pytest.fixture(scope="module")
 def daemon(fault_procs, tiny_model):
     return fault_procs.preload(tiny_model, NO_TUNE)
-
-
-@pytest.fixture(scope="module")
-def sock(daemon, fault_env):
-    return default_socket(fault_env)
-
-
-@pytest.fixture(scope="module")
-def rank(daemon):
-    [pid] = rank_pids(daemon.pid)
-    return pid
 
 
 def private_dir(_tmp_path: Path, name: str) -> Path:

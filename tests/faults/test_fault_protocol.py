@@ -33,11 +33,9 @@ from faultlib import (
     call,
     check_replies,
     connection_plan,
-    default_socket,
     exchange,
     fd_count,
     frame,
-    rank_pids,
     settle,
     split_replies,
     terminal,
@@ -75,17 +73,6 @@ def daemon(fault_procs, tiny_model, ports):
                                "--weight-cache-health-host", "127.0.0.1",
                                "--weight-cache-seed-listen", f"127.0.0.1:{ports['seed']}",
                                "--weight-cache-seed-token", TOKEN)
-
-
-@pytest.fixture(scope="module")
-def sock(daemon, fault_env):
-    return default_socket(fault_env)
-
-
-@pytest.fixture(scope="module")
-def rank(daemon):
-    [pid] = rank_pids(daemon.pid)
-    return pid
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,12 @@ name that every test directory's conftest shares."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from procs import Processes, private_env
+from wcache import cli
 from wcache.core.checkpoint import make_checkpoint
 
 
@@ -60,3 +62,20 @@ def cfg(tiny_model):
     from wcache.core.config import EngineConfig
 
     return EngineConfig.build(str(tiny_model), "auto", None, "cpu")
+
+
+@pytest.fixture
+def main(capfd):
+    """Run `wcache ...` in this process: (exit status, what it printed)."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+
+    def run(*args):
+        try:
+            code = cli.main(list(args))
+        finally:
+            root.handlers[:], _ = saved[0], root.setLevel(saved[1])  # cli.main installs its own handler
+        out, err = capfd.readouterr()
+        return code, out + err
+
+    return run

@@ -11,7 +11,6 @@ and this list agree.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from procs import free_port
-from wcache import cli
 from wcache.core.config import EngineConfig
 from wcache.core.llama_config import REFUSED, example
 
@@ -71,23 +69,6 @@ def serve(model, *extra):
 
 def preload(model, *extra):
     return ["preload", "--model", str(model), "--device", "cpu", *extra]
-
-
-@pytest.fixture
-def main(capfd):
-    """Run `wcache ...` in this process: (exit status, what it printed)."""
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-
-    def run(*args):
-        try:
-            code = cli.main(list(args))
-        finally:
-            root.handlers[:], _ = saved[0], root.setLevel(saved[1])  # cli.main installs its own handler
-        out, err = capfd.readouterr()
-        return code, out + err
-
-    return run
 
 
 def check_one_line(code: int, out: str, expected: str) -> None:

@@ -7,7 +7,6 @@ path up to the exit status, without paying an interpreter start per case).
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import subprocess
@@ -17,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from procs import free_port
-from wcache import cli
 from wcache.errors import (
     DeviceError,
     EngineWorldError,
@@ -72,23 +70,6 @@ def test_a_quantization_without_pre_processed_weights_is_refused(processes, name
 def test_preload_refuses_load_format_ipc_cache(processes):
     check(*processes["preload_ipc_cache"], "--load-format ipc_cache cannot be used with `wcache preload`: "
                                            "the daemon itself must load the weights from disk")
-
-
-@pytest.fixture
-def main(capfd):
-    """Run `wcache ...` in this process: (exit status, what it printed)."""
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-
-    def run(*args):
-        try:
-            code = cli.main(list(args))
-        finally:
-            root.handlers[:], _ = saved[0], root.setLevel(saved[1])  # cli.main installs its own handler
-        out, err = capfd.readouterr()
-        return code, out + err
-
-    return run
 
 
 def test_preload_refuses_a_symlinked_socket_dir(main, tiny_model, tmp_path):
