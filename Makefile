@@ -12,7 +12,7 @@ MARKDOWNLINT := npx -y markdownlint-cli2@0.22.0
 MERMAID_VERSION := 11.12.0
 MERMAID_JS := docs/javascripts/mermaid.min.js
 
-.PHONY: demo test test-fast test-gpu lint docs docs-assets browser-deps clean venv dev
+.PHONY: demo test test-fast test-costs test-gpu lint docs docs-assets browser-deps clean venv dev
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,8 +58,14 @@ test: $(VENV)/.dev-installed docs-assets browser-deps
 	$(PY) -m pytest tests
 	$(MAKE) lint
 
+# Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
+# cost in tests/costs.json reaches tests/costs.py's SLOW_S (such tests are marked slow at collection).
 test-fast: $(VENV)/.dev-installed docs-assets
 	$(PY) -m pytest tests -m "not slow and not docker and not browser"
+
+# Measure every test's cost again (tests/costs.json decides which tests are slow); on an idle machine.
+test-costs: $(VENV)/.dev-installed docs-assets
+	$(PY) -m pytest tests -m "not docker and not browser" --record-costs
 
 # On any CUDA host: the gpu-marked tests and the guide's GPU-only blocks.
 test-gpu: $(VENV)/.dev-installed

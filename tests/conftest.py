@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/procs.py
 
+from costs import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401  (hooks: slow by cost)
+                   pytest_configure, pytest_runtest_logreport)
 from procs import Processes, private_env  # noqa: E402
 
 from wcache.core.checkpoint import make_checkpoint  # noqa: E402
