@@ -62,6 +62,16 @@ def child_pids(pid: int) -> list[int]:
     return sorted(found)
 
 
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition", on_timeout=lambda: "", *,
+               interval: float = 0.05) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` (and ``on_timeout()``'s text) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{on_timeout()}".rstrip())
+        time.sleep(interval)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tools.docs_runner.shell import logical_lines  # noqa: E402  (the docs runner reads bash as CI runs it)
 from tools.docs_runner.substitutions import apply_substitutions, load_substitutions  # noqa: E402
-from procs import free_port, http  # noqa: E402,F401
+from procs import free_port, http, wait_until  # noqa: E402,F401
 
 IMAGE = "wcache:dockertest"
 EXAMPLES = ROOT / "examples"
@@ -67,14 +67,6 @@ def healthy(port: int) -> bool:
         return http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200
     except OSError:
         return False
-
-
-def wait_until(predicate, timeout: float, what: str, on_timeout=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s\n{on_timeout()}")
-        time.sleep(0.2)
 
 
 def wait_log_count(container: str, text: str, count: int, timeout: float = 120) -> str:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from procs import call, child_pids  # noqa: F401  (the fault tests import call from here)
+from procs import call, child_pids, wait_until  # noqa: F401  (the fault tests import call and wait_until from here)
 from wcache.core.device import device_identity
 from wcache.wire.protocol import (
     MAX_CONTAINERS,
@@ -87,14 +87,6 @@ def connections_to(path: Path) -> int:
         if len(parts) >= 8 and parts[7] == str(path) and parts[3] != "00010000":  # not the listener
             n += 1
     return n
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def settle(pid: int, baseline: int, count=fd_count, timeout: float = 10.0) -> int:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from procs import call, child_pids  # noqa: F401  (call is re-exported: the raw protocol client)
+from procs import call, child_pids, wait_until  # noqa: F401  (re-exported: the raw protocol client and the poll)
 from wcache.core.device import device_identity
 from wcache.wire.sockets import socket_name
 
@@ -27,14 +27,6 @@ def rank_pids(launcher_pid: int) -> list[int]:
 def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "wcache.cli", *args], check=False, env=env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def fallback_reason(cfg, caplog, **loader) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import _healthy, child_pids, complete, free_port, http
+from procs import _healthy, child_pids, complete, free_port, http, wait_until
 from wcache.model import tokenizer
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig, Ranks
@@ -95,13 +95,6 @@ def gone(pid: int) -> bool:
         return True
     # A zombie (exited, not reaped yet) counts as gone.
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.1)
 
 
 def test_tp2_shards_serve_health_and_sigterm(procs, model32, expected, wcache_env):
