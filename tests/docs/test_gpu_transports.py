@@ -129,3 +129,16 @@ def test_quoted_messages_are_the_codes():
         cuda_vmm.driver()
     prefix = str(e.value).split("(")[0]
     assert prefix.startswith("the vmm_fd transport needs") and f"`{prefix}(...)`" in text
+
+
+def test_the_guide_gpu_mode_result_quoted_is_the_recorded_output():
+    """validation.md's account of the guide's GPU-mode run: pages run, of how many, and which failed."""
+    out = (BENCH / "2026-12-03-h200-guide-gpu-mode-51e9f6f.txt").read_text(encoding="utf-8").splitlines()
+    pages = next(line for line in out if line.startswith("# pages in collection order: ")).split(": ")[1].split()
+    progress = next(line for line in out if line and not line.startswith("#"))
+    failed = [p for p, mark in zip(pages, progress) if mark == "F"]
+    text = " ".join((ROOT / "docs" / "validation.md").read_text(encoding="utf-8").split())
+    assert f"after {len(progress)} of the {len(pages)} pages" in text
+    assert "These pages failed: " + ", ".join(f"`{p}`" for p in failed) + "." in text
+    assert "`21 passed`" in " ".join(page().split())
+    assert "21 passed," in (BENCH / "2026-12-03-h200-make-test-gpu-51e9f6f.log").read_text(encoding="utf-8")
