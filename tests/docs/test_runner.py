@@ -767,3 +767,12 @@ def test_smoke_with_real_make_checkpoint(tmp_path: Path) -> None:
     ```
     """
     run(tmp_path, text)
+
+
+def test_a_missing_validator_library_is_named_in_one_line(monkeypatch):
+    """A GPU host's own Python may lack the dev extra; the page then fails saying which library."""
+    from tools.docs_runner.handlers import validate
+
+    monkeypatch.setitem(sys.modules, "kubernetes_validate", None)  # None in sys.modules: ImportError
+    with pytest.raises(RuntimeError, match=r"^validating this block needs kubernetes-validate \(the dev extra"):
+        validate.validate_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: x}\nspec: {containers: []}\n")

@@ -4,6 +4,7 @@ a Pod) with kubernetes-validate in strict mode; a loader config by wcache's own 
 
 from __future__ import annotations
 
+import importlib
 import json
 from functools import lru_cache
 
@@ -11,8 +12,19 @@ from functools import lru_cache
 K8S_VERSION = "1.30.0"
 
 
+def _library(module: str, package: str):
+    """Import a validator, or say in one line which dev dependency is missing (a GPU host's own
+    Python may lack them: `make dev` installs them)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RuntimeError(f"validating this block needs {package} (the dev extra: make dev, or "
+                           f"pip install -e '.[dev]')") from None
+
+
 @lru_cache(maxsize=1)
 def _compose_schema() -> dict:
+    _library("check_jsonschema", "check-jsonschema")
     from importlib import resources
 
     ref = resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
@@ -20,7 +32,7 @@ def _compose_schema() -> dict:
 
 
 def validate_compose(doc: dict) -> list[str]:
-    import jsonschema
+    jsonschema = _library("jsonschema", "jsonschema")
 
     schema = _compose_schema()
     cls = jsonschema.validators.validator_for(schema)
@@ -29,7 +41,7 @@ def validate_compose(doc: dict) -> list[str]:
 
 
 def validate_k8s(doc: dict) -> list[str]:
-    import kubernetes_validate
+    kubernetes_validate = _library("kubernetes_validate", "kubernetes-validate")
 
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
