@@ -6,6 +6,10 @@ PIP := $(PY) -m pip
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 MARKDOWNLINT := npx -y markdownlint-cli2@0.22.0
+# Two pytest-xdist workers; tests/parallel.py keeps each file (and each directory whose tests share a
+# port, the Docker engine or an end-of-run tally) on one worker. `make test-costs` stays serial: it
+# measures each test alone.
+XDIST := -n 2 --dist loadgroup
 # mkdocs-material renders ```mermaid blocks but fetches mermaid.js from a CDN unless the page already
 # loaded it; the site serves this pinned copy instead (mkdocs.yml extra_javascript), so diagrams
 # render offline (CI's browser tier has no internet). Fetched with npm, not committed (2.7 MB).
@@ -55,13 +59,13 @@ demo: $(VENV)/.installed
 	$(PY) tools/demo.py
 
 test: $(VENV)/.dev-installed docs-assets browser-deps
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(XDIST)
 	$(MAKE) lint
 
 # Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
 # cost in tests/costs.json reaches tests/costs.py's SLOW_S (such tests are marked slow at collection).
 test-fast: $(VENV)/.dev-installed docs-assets
-	$(PY) -m pytest tests -m "not slow and not docker and not browser"
+	$(PY) -m pytest tests $(XDIST) -m "not slow and not docker and not browser"
 
 # Measure every test's cost again (tests/costs.json decides which tests are slow); on an idle machine.
 test-costs: $(VENV)/.dev-installed docs-assets

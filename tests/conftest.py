@@ -9,11 +9,30 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/procs.py
 
-from costs import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401  (hooks: slow by cost)
-                   pytest_configure, pytest_runtest_logreport)
+import costs  # noqa: E402  (tests marked slow by measured cost)
+import parallel  # noqa: E402  (groups and end-of-run sections under pytest-xdist)
 from procs import Processes, private_env  # noqa: E402
 
 from wcache.core.checkpoint import make_checkpoint  # noqa: E402
+
+
+pytest_addoption = costs.pytest_addoption
+pytest_runtest_logreport = costs.pytest_runtest_logreport
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    costs.configure(config)
+    parallel.configure(config)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist appends each test's group to its node id
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    costs.mark_slow(items)
+    parallel.add_groups(config, items)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    parallel.print_relayed(terminalreporter)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def _load() -> dict[str, float]:
 _measured: dict[str, float] = collections.defaultdict(float)  # nodeid -> seconds in this run
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def mark_slow(items: list[pytest.Item]) -> None:
     costs = _load()
     for item in items:
         cost = costs.get(item.nodeid)
@@ -47,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _recording = False
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def configure(config: pytest.Config) -> None:
     global _recording
     _recording = config.getoption("--record-costs") and not hasattr(config, "workerinput")
 
@@ -57,8 +58,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     Written after each test's teardown, so an interrupted measurement keeps what it measured."""
     if not _recording:
         return
-    _measured[report.nodeid] += report.duration
+    nodeid = re.sub(r"@[^\[\]@]+$", "", report.nodeid)  # xdist's loadgroup appends "@<group>"
+    _measured[nodeid] += report.duration
     if report.when == "teardown":
         costs = _load()
-        costs[report.nodeid] = round(_measured[report.nodeid], 2)
+        costs[nodeid] = round(_measured[nodeid], 2)
         COSTS.write_text(json.dumps(dict(sorted(costs.items())), indent=1) + "\n")

@@ -1,4 +1,7 @@
-"""`wcache` command line: make-checkpoint, serve, preload, bench. The flags are in flags.py."""
+"""wcache: a GPU weight cache and a small engine (make-checkpoint, serve, preload, bench, wait).
+
+The flags of every command are in flags.py; this module picks the command and runs it.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +15,40 @@ from wcache import __version__, flags, logs
 log = logging.getLogger("wcache.cli")
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: Each command: its help line and the flags.py function that adds its flags.
+COMMANDS = {
+    "make-checkpoint": ("write a deterministic Llama-style safetensors checkpoint", flags.add_make_checkpoint_args),
+    "serve": ("run the engine with an HTTP API", flags.add_serve_args),
+    "preload": ("run the weight cache daemon(s) for a model", flags.add_preload_command_args),
+    "bench": ("time weights-ready for disk, zero_copy and copy in one run", flags.add_bench_args),
+    "wait": ("wait until a daemon or engine started with & is ready (health URL, log line)", flags.add_wait_args),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or only of ``command`` when it names one: adding a command's
+    flags imports what their choices need, torch included, which `wcache wait` does not."""
     parser = argparse.ArgumentParser(prog="wcache", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"wcache {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    mk = sub.add_parser("make-checkpoint", help="write a deterministic Llama-style safetensors checkpoint")
-    flags.add_make_checkpoint_args(mk)
-    serve = sub.add_parser("serve", help="run the engine with an HTTP API")
-    flags.add_serve_args(serve)
-    preload = sub.add_parser("preload", help="run the weight cache daemon(s) for a model")
-    preload.add_argument("--model", required=True, help="model directory")
-    flags.add_engine_args(preload)
-    flags.add_preload_args(preload)
-    bench = sub.add_parser("bench", help="time weights-ready for disk, zero_copy and copy in one run")
-    flags.add_bench_args(bench)
-
-    from wcache.wait import add_wait_args
-
-    wait = sub.add_parser("wait", help="wait until a daemon or engine started with & is ready (health URL, log line)")
-    add_wait_args(wait)
+    for name, (help_text, add_args) in COMMANDS.items():
+        if command in COMMANDS and name != command:
+            continue
+        add_args(sub.add_parser(name, help=help_text))
     return parser
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The command in ``argv`` without parsing it: the first word that is not a global flag or
+    --log-level's value."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def cmd_make_checkpoint(args) -> int:
@@ -54,7 +69,8 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_named(argv)).parse_args(argv)
     logs.setup(args.log_level)
     from wcache.errors import UserError
 

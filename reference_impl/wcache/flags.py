@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 
-from wcache.core.checkpoint import DTYPES, PRESETS
-from wcache.core.config import DTYPE_CHOICES
-from wcache.core.ranks import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-from wcache.engine.memory import parse_bytes
-from wcache.model.quant import METHODS
+from wcache.wait import DEFAULT_TIMEOUT_S, READY
+
+# The choices of the other commands' flags live beside the code that uses them, in modules that
+# import torch (about 2 s); each add_* function imports what it needs, so `wcache wait`, which runs
+# between every start in a script, builds its parser without them (cli.build_parser).
 
 
 def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    from wcache.core.checkpoint import DTYPES, PRESETS
+
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
@@ -25,6 +27,9 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from wcache.core.config import DTYPE_CHOICES
+    from wcache.model.quant import METHODS
+
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
     p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
@@ -60,6 +65,8 @@ def _positive(text: str) -> int:
 
 
 def _size(text: str) -> int:
+    from wcache.engine.memory import parse_bytes
+
     try:
         return parse_bytes(text)
     except ValueError as e:
@@ -68,6 +75,8 @@ def _size(text: str) -> int:
 
 def add_parallel_args(p) -> None:
     """Engine flags shared by ``serve`` and ``preload`` (so both plan the same ranks)."""
+    from wcache.core.ranks import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks: each holds a slice of every layer")
@@ -125,6 +134,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "e.g. 8GiB (default: the host's physical memory)")
 
 
+def add_preload_command_args(p) -> None:
+    """`wcache preload`: the model, the engine's flags (the same cache key) and the daemon's own."""
+    p.add_argument("--model", required=True, help="model directory")
+    add_engine_args(p)
+    add_preload_args(p)
+
+
 def add_preload_args(p) -> None:
     g = p.add_argument_group("weight cache daemon")
     g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
@@ -165,3 +181,15 @@ def add_bench_args(p) -> None:
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
+
+
+def add_wait_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--health", action="append", default=[], metavar="URL",
+                   help="wait until GET URL answers 200, e.g. http://127.0.0.1:8000/health (repeatable)")
+    p.add_argument("--log", action="append", default=[], metavar="FILE",
+                   help=f"wait until FILE contains --text (default: {READY!r}) (repeatable)")
+    p.add_argument("--text", default=READY, help="the text --log waits for")
+    p.add_argument("--pid", type=int, default=None,
+                   help="fail at once if this process exits before everything is ready (e.g. $!)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"give up after this many seconds (default {DEFAULT_TIMEOUT_S:g})")

@@ -10,7 +10,6 @@ once, with exit status 2, when that process exits first; a timeout is exit statu
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 import urllib.error
@@ -24,18 +23,6 @@ from wcache.errors import WaitError
 READY = "Weight cache daemon READY"
 DEFAULT_TIMEOUT_S = 120.0
 POLL_S = 0.2
-
-
-def add_wait_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--health", action="append", default=[], metavar="URL",
-                   help="wait until GET URL answers 200, e.g. http://127.0.0.1:8000/health (repeatable)")
-    p.add_argument("--log", action="append", default=[], metavar="FILE",
-                   help=f"wait until FILE contains --text (default: {READY!r}) (repeatable)")
-    p.add_argument("--text", default=READY, help="the text --log waits for")
-    p.add_argument("--pid", type=int, default=None,
-                   help="fail at once if this process exits before everything is ready (e.g. $!)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give up after this many seconds (default {DEFAULT_TIMEOUT_S:g})")
 
 
 def _health_ok(url: str) -> bool:

@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # dockerlib
 
 import dockerlib  # noqa: E402
+import parallel  # noqa: E402
 
 ROOT = dockerlib.ROOT
 LOCK = Path("/var/lock/wcache-docker.lock")
@@ -98,10 +99,7 @@ def docker_model(tmp_path_factory) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not TIMINGS and not dockerlib.RUNS:
-        return
-    terminalreporter.write_sep("-", "docker tier: timings")
-    for name, secs in TIMINGS + dockerlib.RUNS:
-        terminalreporter.write_line(f"{secs:7.1f} s  {name}")
-    if dockerlib.COMPOSE_USED:
-        terminalreporter.write_line(f"compose implementation: {dockerlib.COMPOSE_USED}")
+    lines = [f"{secs:7.1f} s  {name}" for name, secs in TIMINGS + dockerlib.RUNS]
+    if lines and dockerlib.COMPOSE_USED:
+        lines.append(f"compose implementation: {dockerlib.COMPOSE_USED}")
+    parallel.section(terminalreporter, "docker tier: timings", lines)

@@ -9,6 +9,7 @@ for p in (ROOT, ROOT / "tools"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import parallel  # noqa: E402  (tests/parallel.py: end-of-run sections under xdist)
 from tools.docs_runner import coverage  # noqa: E402  (after the sys.path insert)
 from tools.docs_runner.substitutions import load_substitutions  # noqa: E402
 
@@ -19,7 +20,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not coverage.SESSION.used:
         return
     blocks, errors = coverage.all_blocks()
-    terminalreporter.write_sep("-", "wcache guide: block coverage")
     summary = coverage.format_summary(blocks, coverage.SESSION, load_substitutions(), errors)
-    for line in summary.splitlines():
-        terminalreporter.write_line(line)
+    parallel.section(terminalreporter, "wcache guide: block coverage", summary.splitlines())

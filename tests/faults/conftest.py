@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # faultlib
 
 from faultlib import TALLY, default_socket, rank_pids
+import parallel
 from procs import Processes, private_env
 
 
@@ -49,6 +50,4 @@ def rank(daemon):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if TALLY.faults or TALLY.frames:
-        terminalreporter.write_sep("-", "wcache fault suite")
-        terminalreporter.write_line(TALLY.line())
+    parallel.section(terminalreporter, "wcache fault suite", [TALLY.line()] if TALLY.faults or TALLY.frames else [])

@@ -87,3 +87,26 @@ def test_nothing_to_wait_for_and_a_bad_timeout(wcache_env):
     one_line_exit_2(wait_cmd(env=wcache_env), WaitError.NOTHING)
     one_line_exit_2(wait_cmd("--log", "x", "--timeout", "0", env=wcache_env),
                     WaitError.BAD_TIMEOUT.format(timeout=0.0))
+
+
+def test_wait_starts_without_importing_torch(tmp_path, wcache_env):
+    """It runs between every start in a script; importing torch would add about 2 s to each."""
+    log = tmp_path / "daemon.log"
+    log.write_text(f"INFO {READY}\n")
+    code = ("import sys\nfrom wcache import cli\n"
+            f"rc = cli.main(['--log-level', 'INFO', 'wait', '--log', {str(log)!r}])\n"
+            "print(rc, sorted(m for m in ('torch', 'safetensors', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env=wcache_env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0 []", out.stdout + out.stderr
+
+
+def test_every_command_is_in_the_full_parser_and_the_help_lists_them():
+    from wcache.cli import COMMANDS, build_parser, command_named
+
+    assert command_named(["--log-level", "DEBUG", "wait", "--log", "x"]) == "wait"
+    assert command_named(["--version"]) is None
+    def commands(parser) -> list[str]:
+        return list(next(a for a in parser._actions if a.dest == "command").choices)
+
+    assert commands(build_parser()) == commands(build_parser("nonsense")) == list(COMMANDS)
+    assert commands(build_parser("wait")) == ["wait"]
