@@ -59,7 +59,7 @@ demo: $(VENV)/.installed
 	$(PY) tools/demo.py
 
 test: $(VENV)/.dev-installed docs-assets browser-deps
-	$(PY) -m pytest tests $(XDIST)
+	$(PY) -m pytest tests $(XDIST) --durations=20
 	$(MAKE) lint
 
 # Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
