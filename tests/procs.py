@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,10 @@ class Proc:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                # Not a failure of the test that ran, but a stop an operator would wait for: say
+                # which process and what it logged last, in the run's warnings summary.
+                warnings.warn(f"`wcache {' '.join(self.args)}` still ran {timeout:g} s after signal {sig}; killed. "
+                              f"Its last lines:\n{self.log()[-1500:]}", stacklevel=2)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
