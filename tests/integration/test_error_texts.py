@@ -22,7 +22,7 @@ from wcache.engine.loading.registry import load_weights
 from wcache.errors import UnsupportedPlatformForIPCError, UserError
 from wcache.engine.loading.config import LoaderConfig
 from wcache.wire.protocol import recv_frame, reply, send_frame
-from wcache.wire.sockets import socket_name
+from wcache.wire.sockets import socket_path_for
 
 ENGINE_ID = device_identity("cpu", 0)
 
@@ -84,7 +84,7 @@ def test_a_socket_dir_too_long_for_a_unix_socket_is_refused_before_binding(tiny_
     daemon = RankDaemon(spec)
     with pytest.raises(UserError) as err:
         daemon.bind()
-    path = long_dir / socket_name(daemon.device_id)
+    path = socket_path_for(long_dir, daemon.device_id)  # even the short name cannot fit
     assert len(os.fsencode(path)) > MAX_SOCKET_PATH
     assert str(err.value) == (f"Socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "
                               "107. Use a shorter --weight-cache-socket-dir")

@@ -67,9 +67,10 @@ from wcache.wire.sockets import (
     bind_private_socket,
     peer_cred,
     prepare_socket_dir,
-    socket_name,
+    socket_path_for,
 )
-from wcache.wire.arena import make_arena, manifest
+from wcache.wire.arena import manifest
+from wcache.wire.arenas import make_arena
 from wcache.wire.transports.auto import resolve_transport
 
 log = logging.getLogger("wcache.daemon")
@@ -201,7 +202,7 @@ class RankDaemon:
             prepare_socket_dir(path.parent, create=True)
             return path
         d = prepare_socket_dir(self.spec.get("socket_dir"), create=True)
-        return d / socket_name(self.device_id, self.spec.get("draft", False))
+        return socket_path_for(d, self.device_id, self.spec.get("draft", False))
 
     def bind(self) -> socket.socket:
         path = self.socket_path

@@ -1,6 +1,9 @@
 """Where the daemon's socket lives, and the checks both sides make before trusting it.
 
 Default directory: ``$TMPDIR/wcache_<uid>``, mode 0700, created by whichever side comes first.
+A socket is named after its device (``socket_name``) unless that path would not fit a Unix socket
+address: then by a short digest of the name (``socket_path_for``), so neither TMPDIR's depth nor a long
+device identity (a GPU UUID is 40 bytes) can keep a daemon from binding.
 Symlinked or foreign-owned directories and sockets are refused on both sides; the default
 directory is also refused when group or world can enter it. The daemon holds an exclusive flock
 on ``<socket>.lock`` for its lifetime, so a second daemon for the same device fails fast and a
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import socket
 import stat
@@ -51,6 +55,26 @@ def prepare_socket_dir(explicit: str | os.PathLike | None, create: bool = True) 
 
 def socket_name(device_id: str, draft: bool = False) -> str:
     return f"{SOCKET_PREFIX}{device_id}{'_draft' if draft else ''}.sock"
+
+
+def socket_path_for(directory: Path, device_id: str, draft: bool = False) -> Path:
+    """Where the daemon of ``device_id`` serves in ``directory``, the same on both sides: the
+    device's own name when the path fits in a Unix socket address, else a 12-hex digest of that name
+    (37 bytes; who answers is still checked by the device identity in every get_state reply)."""
+    name = socket_name(device_id, draft)
+    path = Path(directory) / name
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    return Path(directory) / f"{SOCKET_PREFIX}{hashlib.sha256(name.encode()).hexdigest()[:12]}.sock"
+
+
+def short_private_dir(prefix: str) -> Path:
+    """A new directory of mode 0700 whose path is short whatever TMPDIR is (sockets go in it):
+    under /run/user/<uid> or /tmp where this user may write, else under TMPDIR."""
+    for base in (f"/run/user/{os.getuid()}", "/tmp"):
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def bind_private_socket(path: Path) -> socket.socket:

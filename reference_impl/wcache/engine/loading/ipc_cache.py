@@ -36,10 +36,11 @@ from wcache.errors import (
     UnsupportedPlatformForIPCError,
     UnsupportedQuantForIPCError,
 )
-from wcache.wire.arena import HANDED_BACK_KINDS, bind_views, open_arena
+from wcache.wire.arena import bind_views
+from wcache.wire.arenas import HANDED_BACK_KINDS, open_arena
 from wcache.wire.handback import ASK_TIMEOUT_S
 from wcache.wire.protocol import ProtocolError, close_fds
-from wcache.wire.sockets import prepare_socket_dir, socket_name
+from wcache.wire.sockets import prepare_socket_dir, socket_path_for
 from wcache.wire.transports.auto import resolve_transport
 
 log = logging.getLogger("wcache.engine.loader")
@@ -51,7 +52,7 @@ def resolve_socket_path(cfg: EngineConfig, lc: LoaderConfig, draft: bool = False
     if lc.socket_path:
         return Path(lc.socket_path)
     d = prepare_socket_dir(lc.socket_dir, create=False)
-    return d / socket_name(device_identity(cfg.device, cfg.ranks.local_rank), draft)
+    return socket_path_for(d, device_identity(cfg.device, cfg.ranks.local_rank), draft)
 
 
 def check_supported(cfg: EngineConfig) -> None:
