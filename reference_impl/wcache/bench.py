@@ -11,17 +11,15 @@ come from figures measured in this one run.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import json
-import logging
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,9 +32,11 @@ from wcache.engine.loading.registry import load_weights
 from wcache.core.fingerprint import RACY_WINDOW_NS, checkpoint_digest
 from wcache.engine.loading.config import LoaderConfig
 from wcache.daemon.launcher import READY
-from wcache.errors import BenchError
+from wcache.bench_failure import bench_failure
+from wcache.wire.sockets import short_private_dir
 
-log = logging.getLogger("wcache.bench")
+
+START_TIMEOUT_S = 1800  # a daemon loading a large checkpoint from a cold disk
 
 
 def environment(device: str) -> dict:
@@ -88,19 +88,8 @@ def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = No
     out = subprocess.run([sys.executable, "-m", "wcache.bench", json.dumps(spec)], capture_output=True, text=True,
                          timeout=1800)
     if out.returncode != 0:
-        _log_tail(f"bench sample ({load_format})", out.stderr)
-        raise BenchError(BenchError.SAMPLE.format(what=f"a {load_format} sample", code=out.returncode))
+        raise bench_failure(f"a {load_format} sample", "sample", out.stderr, code=out.returncode)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-TAIL_LINES = 20
-
-
-def _log_tail(who: str, text: str) -> None:
-    """The last lines a failed process wrote, printed by the bench itself: its work directory is
-    removed when the bench ends, so a path to the log would point at nothing."""
-    for line in collections.deque(text.splitlines(), TAIL_LINES):
-        log.error("%s: %s", who, line)
 
 
 def _sample_main(spec: dict) -> None:
@@ -129,14 +118,15 @@ class DaemonUnderTest:
         t0 = time.monotonic()
         # Its own session: a restart measurement kills the launcher and its ranks together.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 1800
+        deadline = time.monotonic() + START_TIMEOUT_S
         # Ready is the launcher's READY line: a killed daemon's socket file (and an engine's
         # hand-back offer) can lie in the directory before this daemon has bound anything.
         while READY not in self.text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.poll() is None and self.kill()
-                _log_tail("daemon", self.text())
-                raise BenchError(BenchError.DAEMON.format(code=self.proc.returncode, lines=TAIL_LINES))
+                waited = START_TIMEOUT_S if self.proc.poll() is None else None
+                waited and self.kill()
+                raise bench_failure("the weight cache daemon's start", "daemon", self.text(),
+                                    code=self.proc.returncode, waited_s=waited)
             time.sleep(0.01)
         self.ready_s = time.monotonic() - t0
 
@@ -156,11 +146,20 @@ class DaemonUnderTest:
 
 
 def run_bench(args) -> int:
+    # Short whatever TMPDIR is: the daemon's socket (named after its device) goes in it. Removed at
+    # the end, logs included (a failure prints their last lines itself, bench_failure.py).
+    work = short_private_dir("wcache-bench-")
+    try:
+        return _run_bench(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_bench(args, work: Path) -> int:
     cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
     env = environment(cfg.device)
     n = max(1, args.repeat)
-    work = Path(tempfile.mkdtemp(prefix="wcache-bench-"))
-    sockets = work / "sockets"
+    sockets = work / "s"
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")  # a cold fingerprint memo for this run
 

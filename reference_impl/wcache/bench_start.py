@@ -1,7 +1,7 @@
 """The restart a user lives through, for `wcache bench`: a real `wcache serve` process timed from its
 spawn to the first /health 200, and a daemon restart that adopts a running engine's arena.
 
-The engine runs under ``python -c`` with this module's ``serve_timed``: it notes when the interpreter
+The engine runs under ``python -c`` with bench_boot.py's ``serve_timed``: it notes when the interpreter
 is up, imports wcache's engine, creates the CUDA context as a step of its own (a real start pays it
 at its first CUDA call, inside another step), then runs the very ``wcache serve`` command with the
 engine's steps wrapped by timers (``ENGINE_PHASES``). The parent polls /health from outside; what
@@ -20,10 +20,12 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
-from wcache.errors import ARENA_RECORDED, BenchError, LEASE_LOST
+from wcache.bench_failure import bench_failure
+from wcache.errors import ARENA_RECORDED, LEASE_LOST
 
 ENGINE_PHASES = ("interpreter", "imports", "cuda_context", "weights", "autotune", "activation_peak", "kv_alloc", "other")
-_BOOT = ("import time; T0 = time.monotonic(); import json, sys; from wcache.bench_start import serve_timed; "
+START_TIMEOUT_S = 1800  # to /health 200, a large checkpoint read from a cold disk included
+_BOOT = ("import time; T0 = time.monotonic(); import json, sys; from wcache.bench_boot import serve_timed; "
          "serve_timed(T0, sys.argv[1], sys.argv[2:])")
 
 
@@ -59,15 +61,13 @@ class EngineUnderTest:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(self.marks_path), *argv],
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = self.t0 + 1800
+        deadline = self.t0 + START_TIMEOUT_S
         while not _healthy(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                waited = START_TIMEOUT_S if self.proc.poll() is None else None
                 self.stop()
-                from wcache.bench import _log_tail
-
-                _log_tail("engine", self.text())
-                raise BenchError(BenchError.SAMPLE.format(what=f"a {load_format} engine start",
-                                                          code=self.proc.returncode))
+                raise bench_failure(f"a {load_format} engine start", "engine", self.text(),
+                                    code=self.proc.returncode, waited_s=waited)
             time.sleep(0.005)
         self.seconds = time.monotonic() - self.t0
 
@@ -116,14 +116,14 @@ def handback_restart(args, work: Path, daemon, lc, new_daemon) -> dict:
         deadline = time.monotonic() + 300
         while recorded not in daemon.text():
             if time.monotonic() > deadline:
-                raise BenchError(BenchError.SAMPLE.format(what="the daemon's arena record", code=None))
+                raise bench_failure("the daemon's arena record", "daemon", daemon.text(), waited_s=300)
             time.sleep(0.05)
         daemon.kill()
         daemon.stop()
         deadline = time.monotonic() + 60
         while LEASE_LOST.split(" {path}")[0] not in eng.text() or "went away" not in eng.text():
             if time.monotonic() > deadline:
-                raise BenchError(BenchError.SAMPLE.format(what="the engine's hand-back offer", code=None))
+                raise bench_failure("the engine's hand-back offer", "engine", eng.text(), waited_s=60)
             time.sleep(0.01)
         again = new_daemon()
         text = again.text()
@@ -132,48 +132,3 @@ def handback_restart(args, work: Path, daemon, lc, new_daemon) -> dict:
                 "adopted": "adopted the arena of a running engine" in text}
     finally:
         eng.stop()
-
-
-def serve_timed(t0: float, marks_path: str, argv: list[str]) -> int:
-    """`wcache serve argv` with its start-up steps timed into ``marks_path`` (one JSON line each)."""
-    marks = open(marks_path, "a", buffering=1)
-
-    def mark(phase: str, start: float) -> None:
-        marks.write(json.dumps({"phase": phase, "start": start, "end": time.monotonic()}) + "\n")
-
-    from wcache import cli
-    from wcache.core import autotune
-    from wcache.engine import engine, memory, runner, server  # noqa: F401  (what `wcache serve` imports)
-    from wcache.model.llama import Llama
-
-    mark("imports", t0)
-    if "--device" in argv and argv[argv.index("--device") + 1] == "cuda":
-        import torch
-
-        t = time.monotonic()
-        torch.empty(1, device="cuda")
-        torch.cuda.synchronize()
-        mark("cuda_context", t)
-
-    in_measure = []
-
-    def timed(phase, fn, skip_inside_measure=False):
-        def run(*a, **kw):
-            if skip_inside_measure and in_measure:
-                return fn(*a, **kw)
-            t = time.monotonic()
-            if phase == "activation_peak":
-                in_measure.append(1)
-            try:
-                return fn(*a, **kw)
-            finally:
-                if phase == "activation_peak":
-                    in_measure.pop()
-                mark(phase, t)
-        return run
-
-    runner.load_weights = timed("weights", runner.load_weights)
-    autotune.prepare_engine = timed("autotune", autotune.prepare_engine)
-    memory.measure_activation_peak = timed("activation_peak", memory.measure_activation_peak)
-    Llama.new_cache = timed("kv_alloc", Llama.new_cache, skip_inside_measure=True)
-    sys.exit(cli.main(argv))

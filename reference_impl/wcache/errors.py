@@ -125,8 +125,8 @@ class SeedConfigError(UserError):
 class BenchError(UserError):
     """`wcache bench` could not take a measurement; the failed process's last log lines are printed above."""
 
-    DAEMON = "wcache bench: the weight cache daemon failed to start (exit status {code}); its last {lines} log lines are above"
-    SAMPLE = "wcache bench: {what} failed (exit status {code}); its last log lines are above"
+    FAILED = "wcache bench: {what} failed (exit status {code}); the {who}'s last {lines} log lines are above"
+    WAITED = "wcache bench: {what} did not come within {seconds:g} s; the {who}'s last {lines} log lines are above"
 
 
 class WaitError(UserError):
