@@ -62,3 +62,85 @@ def test_the_wire_format_imports_no_torch():
     code = "import sys, wcache.wire.protocol; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def module_imports(root: Path, package: str) -> dict[str, set[str]]:
+    """For every module under ``root`` (the directory of ``package``): the package's modules it
+    imports, at module level or inside functions. Importing ``a.b.c`` runs ``a.b``'s ``__init__``
+    too, so a package's ``__init__`` counts as imported with each of its modules; ``from a.b import
+    c`` imports the module ``a.b.c`` when there is one."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join([package, *parts])] = path
+
+    def with_parents(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & set(modules)
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+                targets |= {f"{node.module}.{a.name}" for a in node.names}
+        edges = set().union(*(with_parents(t) for t in targets if t.startswith(package + "."))) if targets else set()
+        graph[name] = edges - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of modules that import one another in a circle (Tarjan's strongly connected
+    components of more than one module), sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_cycle_among_the_package_modules_lazy_imports_included():
+    cycles = import_cycles(module_imports(PKG, "wcache"))
+    assert not cycles, "modules that import one another:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_lazy_cycle_through_a_package_init(tmp_path):
+    """The negative control: a loop closed by a function-level import, through a package's
+    __init__, is found; the same modules without it are not a loop."""
+    pkg = tmp_path / "toy"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from toy import a\n")
+    (pkg / "a.py").write_text("import os\n\ndef f():\n    from toy.b import g\n    return g\n")
+    (pkg / "b.py").write_text("from toy.sub import c\n\ndef g():\n    pass\n")
+    (pkg / "sub" / "c.py").write_text("X = 1\n")
+    assert import_cycles(module_imports(pkg, "toy")) == [["toy.a", "toy.b", "toy.sub"]]
+    (pkg / "a.py").write_text("import os\n")
+    assert import_cycles(module_imports(pkg, "toy")) == []

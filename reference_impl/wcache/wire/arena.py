@@ -3,7 +3,7 @@
 Every transport shares the manifest format (``Layout``), the binding routine (``bind_views``) and
 one interface, ``Arena``: the daemon ``pack``s a rank's weights into it (or ``adopt``s one a running
 engine hands back, handback.py), sends its ``descriptor()`` and ``fds()`` with every get_state
-reply, and ``close``s it. The engine side is ``MappedArena.open``: a uint8 tensor over the daemon's
+reply, and ``close``s it. The engine side is ``arenas.open_arena``: a uint8 tensor over the daemon's
 memory, and how to let go of it. ``ARENAS`` names each transport by its kind, the one name that
 appears on the command line, in the loader's ``transport`` key, in descriptors and in logs:
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from wcache.core.postprocess import ProcessedWeights
-from wcache.wire.protocol import ProtocolError, close_fds
+from wcache.wire.protocol import ProtocolError
 
 PAGE = 4096
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -201,46 +201,7 @@ class MappedArena:
         self.tensor = tensor
         self._closer = closer
 
-    @staticmethod
-    def open(desc: dict, fds: list[int], device: torch.device) -> "MappedArena":
-        """Map the arena a get_state reply describes; any descriptor not handed on is closed."""
-        cls = ARENAS.get(desc.get("kind"))
-        if cls is None:
-            close_fds(fds)
-            raise ProtocolError(f"unknown arena kind {desc.get('kind')!r}")
-        wanted = "cpu" if cls.kind == "memfd" else "cuda"
-        if device.type != wanted:
-            close_fds(fds)
-            raise ProtocolError(f"the daemon serves a {cls.kind} arena but this engine runs on {device}")
-        return cls.map(desc, fds, device)
-
     def close(self) -> None:
         if self._closer is not None:
             self._closer()
             self._closer = None
-
-
-def open_arena(desc: dict, fds: list[int], device: torch.device) -> MappedArena:
-    return MappedArena.open(desc, fds, device)
-
-
-def make_arena(weights: ProcessedWeights, device: torch.device, transport: str = "auto") -> Arena:
-    """Pack a rank's weights into the arena the transport choice resolves to on this device."""
-    from wcache.wire.transports.auto import resolve_transport
-
-    return ARENAS[resolve_transport(transport, device)].pack(weights, device)
-
-
-def adopt_arena(kind: str, desc: dict, layout: Layout, fd: int, device: torch.device) -> Arena:
-    """Serve an arena a running engine handed back (handback.py) instead of packing a new one."""
-    return ARENAS[kind].adopt(desc, layout, fd, device)
-
-
-# The table of kinds. The transport modules import this one for the base classes, so they are
-# imported last, once everything above exists.
-from wcache.wire.transports.cuda_ipc import CudaIpcArena  # noqa: E402
-from wcache.wire.transports.cuda_vmm import VmmFdArena  # noqa: E402
-from wcache.wire.transports.memfd import MemfdArena  # noqa: E402
-
-ARENAS: dict[str, type[Arena]] = {a.kind: a for a in (MemfdArena, CudaIpcArena, VmmFdArena)}
-HANDED_BACK_KINDS = tuple(k for k, a in ARENAS.items() if a.handed_back)  # not cuda_ipc: its handle dies with its daemon

@@ -54,7 +54,8 @@ from wcache.errors import (
 from wcache.core.fingerprint import mismatched_fields
 from wcache.wire.protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import MAX_SOCKET_PATH, bind_private_socket, check_socket_file, peer_cred
-from wcache.wire.arena import HANDED_BACK_KINDS, Layout, adopt_arena
+from wcache.wire.arena import Layout
+from wcache.wire.arenas import HANDED_BACK_KINDS, adopt_arena
 
 log = logging.getLogger("wcache.handback")
 
@@ -235,7 +236,7 @@ def offers(socket_path: Path) -> list[Path]:
 def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int, verify=None):
     """(arena, aliases, attrs) from the first engine that offers a matching arena, else None.
 
-    arena.adopt_arena builds the arena object and raises ProtocolError (or OSError, or
+    arenas.adopt_arena builds the arena object and raises ProtocolError (or OSError, or
     RuntimeError from the driver) when the memory is not acceptable; ``verify(arena)`` raises
     ValueError unless the daemon recorded that arena (daemon/arena_record.py). Without ``verify``
     nothing is adopted: an offer's own word proves nothing.

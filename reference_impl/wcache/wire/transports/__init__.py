@@ -1,7 +1,4 @@
 """One module per way of sharing an arena (memfd, cuda_ipc, cuda_vmm), and auto: which one a daemon serves.
 
-The transport modules subclass wire/arena.py's classes, and arena.py's table of kinds imports them:
-importing arena.py first, whichever module is asked for, keeps that cycle in one order.
+The transport modules subclass wire/arena.py's classes; wire/arenas.py, the table of kinds, imports them.
 """
-
-from wcache.wire import arena  # noqa: F401
