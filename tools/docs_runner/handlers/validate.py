@@ -1,5 +1,6 @@
 """YAML and JSON blocks: parsed, and validated by what would consume them. A Compose file against the
-compose-spec schema vendored in check-jsonschema; a Kubernetes object (or a bare pod spec, wrapped in
+compose-spec schema vendored in check-jsonschema, a GitHub Actions workflow against the
+github-workflows schema vendored there too; a Kubernetes object (or a bare pod spec, wrapped in
 a Pod) with kubernetes-validate in strict mode; a loader config by wcache's own parser."""
 
 from __future__ import annotations
@@ -22,22 +23,37 @@ def _library(module: str, package: str):
                            f"pip install -e '.[dev]')") from None
 
 
-@lru_cache(maxsize=1)
-def _compose_schema() -> dict:
+@lru_cache(maxsize=None)
+def vendored_schema(name: str) -> dict:
+    """A JSON schema that check-jsonschema ships (``compose-spec``, ``github-workflows``): offline."""
     _library("check_jsonschema", "check-jsonschema")
     from importlib import resources
 
-    ref = resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    ref = resources.files("check_jsonschema.builtin_schemas.vendor") / f"{name}.json"
     return json.loads(ref.read_text(encoding="utf-8"))
 
 
-def validate_compose(doc: dict) -> list[str]:
+def _schema_errors(name: str, doc: dict, label: str) -> list[str]:
     jsonschema = _library("jsonschema", "jsonschema")
 
-    schema = _compose_schema()
+    schema = vendored_schema(name)
     cls = jsonschema.validators.validator_for(schema)
     errors = sorted(cls(schema).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
-    return [f"compose: /{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+    return [f"{label}: /{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+
+
+def validate_compose(doc: dict) -> list[str]:
+    return _schema_errors("compose-spec", doc, "compose")
+
+
+def is_github_workflow(doc) -> bool:
+    # YAML 1.1 (PyYAML) reads the key `on` as True; GitHub reads it as the string "on".
+    return isinstance(doc, dict) and "jobs" in doc and ("on" in doc or True in doc)
+
+
+def validate_github_workflow(doc: dict) -> list[str]:
+    doc = {("on" if k is True else k): v for k, v in doc.items()}
+    return _schema_errors("github-workflows", doc, "github workflow")
 
 
 def validate_k8s(doc: dict) -> list[str]:
@@ -64,7 +80,10 @@ def validate_yaml(text: str) -> tuple[list[str], str]:
     errors: list[str] = []
     kinds: list[str] = []
     for d in docs:
-        if isinstance(d, dict) and "services" in d:
+        if is_github_workflow(d):
+            kinds.append("github workflow")
+            errors += validate_github_workflow(d)
+        elif isinstance(d, dict) and "services" in d:
             kinds.append("compose")
             errors += validate_compose(d)
         elif isinstance(d, dict) and "apiVersion" in d and "kind" in d:
