@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `make test-gpu` and the GPU bench records on a GPU host that has its own python3 (torch, pytest)
+# and no package index: the device tool's H200, one call per stage or a few stages per call.
+#
+#   bash tools/gpu_wheels.sh                      # here, once: writes .whl/ (carry it)
+#   bash tools/gpu_run.sh STAGE [STAGE...]         # there, in the repository root; writes to $OUT
+#
+# Stages, each under its own time limit (seconds), so that a call fits the device's 10 minutes:
+#   tests     (330)  the gpu-marked tests, the guide's pages left out    -> gpu-tests.log
+#   pages1    (330)  the first half of the guide's pages in GPU mode     -> guide-gpu-mode-1.log
+#   pages2    (330)  the second half                                     -> guide-gpu-mode-2.log
+#   bench8b          llama-8b checkpoint (240: ~85 s), then `wcache bench --repeat 3` with vmm_fd and
+#                    with cuda_ipc (260 each: ~150 s) -> llama-8b-{vmm_fd,cuda_ipc}.json and .log
+#   vmm, ipc         the same, one transport each (when bench8b would not fit one call)
+#   bench10k  (300)  tensors-10k checkpoint, then `wcache bench` with vmm_fd -> tensors-10k-vmm_fd.json
+# tests + pages1 + pages2 together are `make test-gpu` (WCACHE_RUN_GPU_BLOCKS=1 pytest tests -m gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/.work/gpu-out}
+mkdir -p "$OUT"
+[ $# -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
+
+# The carried wheels (tools/gpu_wheels.sh), once per machine; the host's own packages stay.
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+# `wcache` (and `python`, which some pages type) for every process the pages start.
+mkdir -p /tmp/gpu-bin
+printf '#!/bin/sh\nexec python3 -m wcache.cli "$@"\n' > /tmp/gpu-bin/wcache
+printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/gpu-bin/python
+chmod +x /tmp/gpu-bin/wcache /tmp/gpu-bin/python
+export PATH=/tmp/gpu-bin:/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site:$ROOT/reference_impl:$ROOT/tests:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export WCACHE_RUN_GPU_BLOCKS=1 PYTHONUNBUFFERED=1
+
+# Every page of the guide, in pytest's order (sorted), split in two halves.
+mapfile -t PAGES < <(ls docs/*.md | sort)
+HALF=$(( (${#PAGES[@]} + 1) / 2 ))
+page_ids() { for p in "$@"; do echo "tests/docs/test_blocks.py::test_page_on_gpu[$p]"; done; }
+
+stage() {  # NAME LIMIT LOG COMMAND...: one stage under its limit, its output in $OUT/LOG
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$SECONDS
+  timeout -k 20 "$limit" "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  echo "stage $name: exit $rc in $((SECONDS - t0)) s (limit $limit s); last lines of $log:"
+  tail -n 3 "$OUT/$log"
+  return $rc
+}
+
+bench() {  # MODEL_DIR NAME TRANSPORT LIMIT
+  stage "bench $2 $3" "$4" "$2-$3.log" wcache bench --model "$1" --device cuda --transport "$3" --repeat 3 \
+    --output "$OUT/$2-$3.json"
+}
+
+checkpoint() {  # DIR PRESET: written once per machine (a warm machine keeps /tmp)
+  [ -f "$1/config.json" ] || stage "checkpoint $2" 240 "checkpoint-$2.log" wcache make-checkpoint "$1" --preset "$2"
+}
+
+rc=0
+for s in "$@"; do
+  case $s in
+    tests)  stage tests 330 gpu-tests.log python3 -m pytest tests -m gpu -k "not test_page_on_gpu" -p no:cacheprovider || rc=1 ;;
+    pages1) stage pages1 330 guide-gpu-mode-1.log python3 -m pytest -p no:cacheprovider -v \
+              $(page_ids "${PAGES[@]:0:HALF}") || rc=1 ;;
+    pages2) stage pages2 330 guide-gpu-mode-2.log python3 -m pytest -p no:cacheprovider -v \
+              $(page_ids "${PAGES[@]:HALF}") || rc=1 ;;
+    bench8b)
+      checkpoint /tmp/l8 llama-8b || rc=1
+      bench /tmp/l8 llama-8b vmm_fd 260 || rc=1
+      bench /tmp/l8 llama-8b cuda_ipc 260 || rc=1 ;;
+    vmm|ipc)
+      checkpoint /tmp/l8 llama-8b || rc=1
+      bench /tmp/l8 llama-8b "$([ "$s" = vmm ] && echo vmm_fd || echo cuda_ipc)" 260 || rc=1 ;;
+    bench10k)
+      checkpoint /tmp/t10k tensors-10k || rc=1
+      bench /tmp/t10k tensors-10k vmm_fd 240 || rc=1 ;;
+    *) echo "unknown stage $s"; rc=2 ;;
+  esac
+done
+exit $rc
