@@ -146,6 +146,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "serve-flags": serve_flags,
     "checkpoint-refusals": checkpoint_refusals,
     "bench-table": plot_bench.bench_table,
+    "bench-table-older": plot_bench.bench_table_older,
     "bench-keys": plot_bench.bench_keys_table,
     "bench-phases": plot_bench.phases_table,
     "bench-targets": plot_bench.targets_table,

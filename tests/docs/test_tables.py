@@ -258,11 +258,29 @@ def test_benchmark_svg_regenerates_identically_from_the_json():
 
     svg = ET.fromstring(plot_bench.SVG_PATH.read_text(encoding="utf-8"))
     texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
-    for path, record in plot_bench.bench_records():
+    fresh = plot_bench.fresh_records()
+    assert fresh, "the chart shows the fresh-process records, and there are some"
+    for path, record in fresh:
         assert plot_bench.run_label(path) in texts
         for source in ("disk", "zero_copy", "copy"):
             assert plot_bench.fmt_seconds(record["seconds"][source]) in texts
     assert (DOCS / "benchmarks.md").read_text(encoding="utf-8").count("benchmarks/restart-h200.svg") == 1
+
+
+def test_the_chart_title_says_how_its_records_were_sampled_and_no_label_is_clipped():
+    """The title once said "after an engine restart" over in-process records, and "10,005 tensors"
+    ran off the chart's left edge as ".0,005 tensors"."""
+    import xml.etree.ElementTree as ET
+
+    svg = ET.fromstring(plot_bench.SVG_PATH.read_text(encoding="utf-8"))
+    ns = "{http://www.w3.org/2000/svg}"
+    title = svg.find(f"{ns}title").text
+    assert "each sample a fresh process" in title and all(plot_bench.fresh(d) for _, d in plot_bench.fresh_records())
+    width = float(svg.get("width"))
+    for t in svg.iter(f"{ns}text"):
+        x, n = float(t.get("x")), len(t.text) * plot_bench.CHAR_W * (float(t.get("font-size", 12)) / 12)
+        left, right = {"end": (x - n, x), "middle": (x - n / 2, x + n / 2)}.get(t.get("text-anchor"), (x, x + n))
+        assert 0 <= left and right <= width, (t.text, left, right, width)
 
 
 def test_every_published_record_is_rendered():
