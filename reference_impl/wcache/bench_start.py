@@ -96,6 +96,28 @@ class EngineUnderTest:
         self.log.close()
 
 
+# The floor under any engine start on this host: a fresh interpreter that imports torch and, on a GPU,
+# creates its CUDA context, and nothing else. What an engine start takes beyond it is the project's.
+FLOOR_PHASES = ("interpreter", "import_torch", "cuda_context")
+_FLOOR = ("import time; T0 = time.monotonic(); import json, sys; T1 = time.monotonic(); import torch; "
+          "T2 = time.monotonic(); cuda = sys.argv[1] == 'cuda'; "
+          "cuda and (torch.empty(1, device='cuda'), torch.cuda.synchronize()); "
+          "print(json.dumps([T0, T2, time.monotonic()]))")
+
+
+def start_floor(args) -> dict:
+    """One floor sample: seconds from spawn to torch imported and the CUDA context made, by phase."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _FLOOR, args.device], capture_output=True, text=True,
+                         timeout=START_TIMEOUT_S)
+    if out.returncode != 0:
+        raise bench_failure("the start floor (import torch, CUDA context)", "interpreter", out.stderr,
+                            code=out.returncode)
+    started, imported, end = json.loads(out.stdout.strip().splitlines()[-1])
+    phases = dict(zip(FLOOR_PHASES, (started - t0, imported - started, end - imported)))
+    return {"seconds": end - t0, "phases": phases}
+
+
 def engine_start(args, work: Path, load_format: str, lc=None) -> dict:
     eng = EngineUnderTest(args, work, load_format, lc)
     try:

@@ -136,7 +136,9 @@ def test_copy_mode_release_returns_the_daemons_memory(gpu, small_model, wcache_e
     first = gpu.serve(small_model, "--load-format", "ipc_cache")
     first.stop()
     before_copy, reserved = _settled_free_bytes(), torch.cuda.memory_reserved()
-    weights, report, lease = load_weights(cfg, "ipc_cache", LoaderConfig(mode="copy"))
+    loaded = load_weights(cfg, "ipc_cache", LoaderConfig(mode="copy"))
+    loaded.settle()  # the release runs in the background, off the engine's way to serving
+    weights, report, lease = loaded
     assert report.source == "the weight cache (copy)"
     after_copy = _settled_free_bytes()
     ours = torch.cuda.memory_reserved() - reserved  # this process's copy

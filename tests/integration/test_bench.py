@@ -10,7 +10,7 @@ import pytest
 from itest import run_cli
 from procs import private_env
 from wcache.bench import render_table
-from wcache.bench_start import ENGINE_PHASES
+from wcache.bench_start import ENGINE_PHASES, FLOOR_PHASES
 from wcache.errors import BenchError
 from wcache.wire.sockets import MAX_SOCKET_PATH
 
@@ -59,6 +59,13 @@ def test_bench_json_has_seconds_and_ratios(small_record, small_model):
     # The run's first engine start measured the activation peak; every timed start reused it.
     assert e["ipc_cache"]["phases_s"]["activation_peak"] < 0.5 * e["ipc_cache"]["seconds"]
     assert e["disk_over_ipc_cache"] == pytest.approx(e["disk"]["seconds"] / e["ipc_cache"]["seconds"], rel=0.02)
+    # The floor of the same run: a bare interpreter importing torch (no CUDA context on a CPU).
+    floor = e["floor"]
+    assert list(floor["phases_s"]) == list(FLOOR_PHASES) and len(floor["samples"]) == 3
+    assert floor["phases_s"]["import_torch"] > 0 and floor["phases_s"]["cuda_context"] < 0.05
+    assert sum(floor["phases_s"].values()) == pytest.approx(floor["seconds"], abs=0.01)
+    assert 0 < floor["seconds"] < e["ipc_cache"]["seconds"]
+    assert e["ipc_cache_over_floor_s"] == pytest.approx(e["ipc_cache"]["seconds"] - floor["seconds"], abs=1e-3)
     # A daemon killed under a zero_copy engine: the next one adopts the engine's arena (memfd here).
     h = r["handback"]
     assert h["adopted"] is True and h["restart_to_ready_s"] > 0 and h["first_start_to_ready_s"] > 0

@@ -22,7 +22,9 @@ PROMPT = [256, *b"restart me"]
 def load(model_dir, caplog=None, **loader):
     """(logits, report, lease) for an engine loading with these loader keys."""
     cfg = EngineConfig.build(str(model_dir), "auto", None, "cpu")
-    weights, report, lease = load_weights(cfg, "ipc_cache" if loader is not None else "safetensors", LoaderConfig(**loader))
+    loaded = load_weights(cfg, "ipc_cache" if loader is not None else "safetensors", LoaderConfig(**loader))
+    loaded.settle()  # copy mode lets go of the daemon's memory in the background
+    weights, report, lease = loaded
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
     return model(torch.tensor(PROMPT), 0, model.new_cache(len(PROMPT))), report, lease
 

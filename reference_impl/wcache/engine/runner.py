@@ -141,6 +141,8 @@ class RankRunner:
                 log.info("The %s draft is not cached (only %s drafts are); loading it from disk", d["method"],
                          ", ".join(CACHED_DRAFT_METHODS))
             self.draft = self._load(dcfg, dfmt, draft=True)
+        for loaded in self.loads:  # copy mode: the daemon's memory is free before ours is planned
+            loaded.settle()
         self._size_memory()
         self.world.barrier()  # every rank has its weights and KV cache before rank 0 reports ready
 

@@ -48,7 +48,7 @@ class Layout:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(len(g["names"]) * DTYPES[g["dtype"]].itemsize * _numel(g["shape"]) for g in self.groups)
+        return groups_bytes(self.groups)
 
     @classmethod
     def from_manifest(cls, manifest: dict, size: int) -> "Layout":
@@ -70,6 +70,11 @@ class Layout:
         """Per tensor: name, dtype, shape, stride, offset."""
         return [{"name": n, "dtype": g["dtype"], "shape": g["shape"], "stride": g["stride"],
                  "offset": g["offset"] + i * g["step"]} for g in self.groups for i, n in enumerate(g["names"])]
+
+
+def groups_bytes(groups: list[dict]) -> int:
+    """Bytes of every tensor the groups describe, a group at a time (no per-tensor work)."""
+    return sum(len(g["names"]) * DTYPES[g["dtype"]].itemsize * _numel(g["shape"]) for g in groups)
 
 
 def _numel(shape: list[int]) -> int:

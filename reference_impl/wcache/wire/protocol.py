@@ -119,6 +119,9 @@ def check_size(body: bytes, max_containers: int = MAX_CONTAINERS, max_items: int
         raise ProtocolError(f"frame holds {items} elements; at most {max_items} are allowed")
 
 
+_SCALARS = {str, int, float, bool, type(None)}  # what json.loads makes besides dicts and lists
+
+
 def check_depth(obj, max_depth: int = MAX_DEPTH) -> None:
     """Refuse a parsed frame nested deeper than ``max_depth`` (iterative: at most the containers
     check_size allowed are visited)."""
@@ -126,6 +129,8 @@ def check_depth(obj, max_depth: int = MAX_DEPTH) -> None:
     while stack:
         node, depth = stack.pop()
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        if set(map(type, children)) <= _SCALARS:
+            continue  # a list of 10,000 names, checked at C speed instead of one by one
         for child in children:
             if isinstance(child, (dict, list)):
                 if depth + 1 > max_depth:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -25,6 +26,8 @@ class LoadReport:
     fallback_reason: str | None = None
     phases: dict = field(default_factory=dict)  # seconds per handoff step (cache loads only)
     transport: str | None = None  # the arena kind a cache load came through (memfd, cuda_ipc, vmm_fd)
+    # copy mode: the thread that lets go of the daemon's memory once the engine has its own copy
+    release: threading.Thread | None = field(default=None, repr=False, compare=False)
 
 
 class LoadedWeights(NamedTuple):
@@ -32,7 +35,13 @@ class LoadedWeights(NamedTuple):
     report: LoadReport
     lease: CacheLease | None = None  # zero_copy: the daemon's memory this engine maps; close() it last
 
+    def settle(self) -> None:
+        """Wait for what the load left running in the background (copy mode: the daemon's release)."""
+        if self.report.release is not None:
+            self.report.release.join()
+
     def close(self) -> None:
+        self.settle()
         if self.lease is not None:
             self.lease.close()
 

@@ -8,13 +8,21 @@ yet, or connection refused) and fails on anything else.
 
 In ``zero_copy`` mode the returned ``CacheLease`` keeps the connection open for the engine's
 lifetime: it tells the daemon an engine still maps its memory. In ``copy`` mode the engine clones
-the arena, asks the daemon to release its copy, and closes.
+the arena and binds its own copy; unmapping the daemon's memory, asking the daemon to release it and
+closing happen on a thread of their own (``LoadReport.release``), off the engine's way to serving.
+
+Python's cyclic garbage collector is paused for an attempt: decoding a 10,000-tensor manifest and
+binding as many views make tens of thousands of objects, and the collections they would trigger
+(each walking every object of an engine that has imported torch) cost more than the work itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +44,7 @@ from wcache.errors import (
     UnsupportedPlatformForIPCError,
     UnsupportedQuantForIPCError,
 )
-from wcache.wire.arena import bind_views
+from wcache.wire.arena import bind_views, groups_bytes
 from wcache.wire.arenas import HANDED_BACK_KINDS, open_arena
 from wcache.wire.handback import ASK_TIMEOUT_S
 from wcache.wire.protocol import ProtocolError, close_fds
@@ -71,19 +79,21 @@ class IpcCacheLoader(WeightLoader):
         t0 = time.perf_counter()
         check_supported(cfg)
         try:
-            weights, lease, phases = self._until_served(cfg)
+            with _collector_paused():
+                weights, lease, phases, release = self._until_served(cfg)
         except CacheUnusable as e:  # fallback on: say why, then read the disk
             log.warning(errors.FALLBACK.format(reason=e))
             return self.disk.load(cfg, fallback_reason=str(e), t0=t0)
         mode = self.loader_config.mode
         n = len(weights.tensors)
         log.info(errors.MAPPED.format(count=n, mode=mode))
-        report = LoadReport(f"the weight cache ({mode})", time.perf_counter() - t0, n, weights.nbytes,
+        nbytes = phases.pop("nbytes")
+        report = LoadReport(f"the weight cache ({mode})", time.perf_counter() - t0, n, nbytes,
                             external_bytes=lease.external_bytes if lease else 0,
-                            transport=phases.pop("transport"), phases=phases)
+                            transport=phases.pop("transport"), phases=phases, release=release)
         return LoadedWeights(weights, report, lease)
 
-    def _until_served(self, cfg: EngineConfig) -> tuple[ProcessedWeights, CacheLease | None, dict]:
+    def _until_served(self, cfg: EngineConfig) -> tuple[ProcessedWeights, CacheLease | None, dict, threading.Thread | None]:
         """Attempt until served. CacheUnusable only with fallback on; with it off, a reason not
         worth waiting for, or the wait's end, is a user error."""
         lc = self.loader_config
@@ -95,8 +105,8 @@ class IpcCacheLoader(WeightLoader):
         while True:
             try:
                 path = resolve_socket_path(cfg, lc, self.draft)
-                weights, lease = self._attempt(cfg, key, path, phases)
-                return weights, lease, phases
+                weights, lease, release = self._attempt(cfg, key, path, phases)
+                return weights, lease, phases, release
             except CacheUnusable as e:
                 if lc.fallback:
                     raise
@@ -124,13 +134,15 @@ class IpcCacheLoader(WeightLoader):
             lease.mapping = self._map(answer, fds, cfg)
             clock.lap("map")
             weights = self._bind(lease, answer, clock)
+            phases["nbytes"] = _weights_bytes(weights, answer)
             if lc.mode == "copy":
-                self._release(lease)
-                clock.lap("release")
-                return weights, None
-            lease.external_bytes = weights.nbytes
+                release = threading.Thread(target=self._release, args=(lease,), name="wcache-copy-release")
+                release.start()
+                clock.lap("release")  # only the start: the engine has its own copy already
+                return weights, None, release
+            lease.external_bytes = phases["nbytes"]
             lease.offer_back(answer, key, lambda: _lease_again(path, lc, key))
-            return weights, lease
+            return weights, lease, None
         except BaseException:
             lease.close()
             raise
@@ -166,8 +178,7 @@ class IpcCacheLoader(WeightLoader):
             arena = arena.clone()
             if arena.is_cuda:
                 torch.cuda.synchronize(arena.device)
-            lease.release_mapping()
-            clock.lap("copy")
+            clock.lap("copy")  # the daemon's memory is let go of by _release, in the background
         try:
             tensors = bind_views(arena, answer.get("manifest") or {})
         except ProtocolError as e:
@@ -180,11 +191,38 @@ class IpcCacheLoader(WeightLoader):
 
     @staticmethod
     def _release(lease: CacheLease) -> None:
+        """Copy mode, once the engine has its own copy: unmap the daemon's memory first, so that the
+        release really frees it, then ask for the release and close."""
         try:
+            lease.release_mapping()
             lease.call("release")
         except CacheUnusable as e:
             log.warning("The daemon kept its copy of the weights: %s", e)
-        lease.close()
+        except Exception:  # a driver error unmapping: the engine serves from its own copy anyway
+            log.exception("Letting go of the daemon's memory failed")
+        finally:
+            lease.close()
+
+
+def _weights_bytes(weights: ProcessedWeights, answer: dict) -> int:
+    """The manifest's sum, group by group (summing 10,000 tensors one by one takes milliseconds);
+    the tensors' own sum where the manifest names a tensor twice (bound once, counted once)."""
+    groups = answer["manifest"]["groups"]  # bind_views has checked them
+    if sum(len(g["names"]) for g in groups) == len(weights.tensors):
+        return groups_bytes(groups)
+    return weights.nbytes
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No cyclic garbage collection inside (see the module's docstring); as it was afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _Clock:

@@ -120,7 +120,9 @@ def open_handle(handle: bytes, device: torch.device) -> int:
     return ptr.value
 
 
-def close_handle(ptr: int) -> None:
+def close_handle(ptr: int, device: torch.device) -> None:
+    """Unmap a peer's block; from any thread (a copy-mode engine lets go in the background)."""
+    _set_device(device)
     _check(cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
 
 
@@ -162,7 +164,7 @@ class CudaIpcArena(Arena):
             raise ProtocolError(f"bad CUDA IPC handle: {e}") from None
         size = arena_size(desc)
         ptr = open_handle(handle, device)
-        return MappedArena(as_tensor(ptr, size, device), lambda: close_handle(ptr))
+        return MappedArena(as_tensor(ptr, size, device), lambda: close_handle(ptr, device))
 
     def tensor(self) -> torch.Tensor:
         return as_tensor(self.ptr, self.size, self.device)
