@@ -3,7 +3,9 @@
 # and no package index: the device tool's H200, one call per stage or a few stages per call.
 #
 #   bash tools/gpu_wheels.sh                      # here, once: writes .whl/ (carry it)
-#   bash tools/gpu_run.sh STAGE [STAGE...]         # there, in the repository root; writes to $OUT
+#   WCACHE_COMMIT=<sha> bash tools/gpu_run.sh STAGE [STAGE...]   # there, in the repository root;
+#                                     # writes to $OUT; the bench records carry WCACHE_COMMIT (a copied
+#                                     # tree has no .git to read it from)
 #
 # Stages, each under its own time limit (seconds), so that a call fits the device's 10 minutes:
 #   tests     (330)  the gpu-marked tests, the guide's pages left out    -> gpu-tests.log
