@@ -111,3 +111,14 @@ def test_a_vmm_arena_reports_its_allocation_size_everywhere():
             adopted.close()
     finally:
         arena.close()
+
+
+def test_the_drivers_device_identity_and_arch_are_torchs():
+    """core/device.py asks the driver for the UUID and the compute capability (a fresh process's
+    cache key was paying for all of torch's device properties): the same answers as torch's."""
+    from wcache.core import device
+
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        assert device._from_driver(index) == (device.torch_identity(props), f"sm_{props.major}{props.minor}")
+    assert device.device_identity("cuda", 0) == device.torch_identity(torch.cuda.get_device_properties(0))

@@ -8,23 +8,54 @@ can share one machine.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
 
 import torch
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR (cuda.h)
 
 
 def device_identity(device: str, local_rank: int = 0) -> str:
     if device == "cuda":
-        props = torch.cuda.get_device_properties(local_rank % torch.cuda.device_count())
-        return f"GPU-{props.uuid}"
+        return _cuda_device(local_rank % torch.cuda.device_count())[0]
     boot = BOOT_ID.read_text().strip().split("-")[0] if BOOT_ID.exists() else "host"
     return f"cpu-{boot}-{local_rank}"
 
 
 def device_arch(device: str, local_rank: int = 0) -> str:
     if device == "cuda":
-        major, minor = torch.cuda.get_device_capability(local_rank % torch.cuda.device_count())
-        return f"sm_{major}{minor}"
+        return _cuda_device(local_rank % torch.cuda.device_count())[1]
     return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device(index: int) -> tuple[str, str]:
+    """(identity, arch) of CUDA device ``index``. Asked of the driver, three attributes: torch's
+    get_device_properties fills in every property of the device, which cost a restarted engine's
+    cache key most of a millisecond. torch's answer where the driver cannot give one."""
+    try:
+        return _from_driver(index)
+    except (OSError, AttributeError):
+        props = torch.cuda.get_device_properties(index)
+        return torch_identity(props), f"sm_{props.major}{props.minor}"
+
+
+def torch_identity(props) -> str:
+    return f"GPU-{props.uuid}"
+
+
+def _from_driver(index: int) -> tuple[str, str]:
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    uuid = (ctypes.c_ubyte * 16)()
+    # _v2: a MIG instance's own UUID, as the runtime's device properties give it.
+    for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), index), cu.cuDeviceGetUuid_v2(uuid, dev),
+               cu.cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, dev),
+               cu.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, dev)):
+        if rc != 0:
+            raise OSError(f"CUDA driver error {rc} describing device {index}")
+    h = bytes(uuid).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}", f"sm_{major.value}{minor.value}"
