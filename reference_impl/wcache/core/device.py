@@ -34,8 +34,8 @@ def device_arch(device: str, local_rank: int = 0) -> str:
 @functools.lru_cache(maxsize=None)
 def _cuda_device(index: int) -> tuple[str, str]:
     """(identity, arch) of CUDA device ``index``. Asked of the driver, three attributes: torch's
-    get_device_properties fills in every property of the device, which cost a restarted engine's
-    cache key most of a millisecond. torch's answer where the driver cannot give one."""
+    get_device_properties fills in every property of the device, on a restarted engine's way to its
+    weights (its cache key). torch's answer where the driver cannot give one."""
     try:
         return _from_driver(index)
     except (OSError, AttributeError):
