@@ -202,7 +202,8 @@ def run_bench(args) -> int:
         # The restart a user lives through: engine process start to /health 200, disk and cache.
         daemon.stop()
         daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
-        from wcache.bench_start import engine_start, handback_restart
+        from wcache.bench_restart import handback_restart
+        from wcache.bench_start import engine_start
 
         engine_start(args, work, "ipc_cache", lc_zero)  # not kept: the first start of the run
         starts = {"disk": [], "ipc_cache": []}
@@ -211,7 +212,7 @@ def run_bench(args) -> int:
                 starts[fmt].append(engine_start(args, work, "ipc_cache", lc_zero) if fmt == "ipc_cache"
                                    else engine_start(args, work, "safetensors"))
         handback = handback_restart(args, work, daemon, lc_zero, lambda: DaemonUnderTest(
-            cfg.model, cfg.device, args.dtype, sockets, args.transport))
+            cfg.model, cfg.device, args.dtype, sockets, args.transport), tensors_kind)
         daemon = handback.pop("daemon")
     finally:
         daemon.stop()
@@ -286,11 +287,9 @@ def render_table(r: dict) -> str:
                      f"{e['ipc_cache']['seconds']:.3f} s ({e['disk_over_ipc_cache']}x)")
         for fmt in ("disk", "ipc_cache"):
             lines.append(f"{fmt} start phases (s): " + ", ".join(f"{k} {v}" for k, v in e[fmt]["phases_s"].items()))
-    h = r.get("handback")
-    if h:
-        lines.append(f"daemon restart to READY: {h['restart_to_ready_s']:.3f} s "
-                     f"({'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'}); "
-                     f"first start {h['first_start_to_ready_s']:.3f} s")
+    from wcache.bench_restart import render_lines
+
+    lines += render_lines(r.get("handback"))
     return "\n".join(lines)
 
 

@@ -80,9 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "preload":
-            from wcache.daemon.launcher import run_preload
+            from wcache.daemon import prewarm
 
-            return run_preload(args)
+            prewarm.start()  # the first rank imports torch while the launcher does (daemon/prewarm.py)
+            try:
+                from wcache.daemon.launcher import run_preload
+
+                return run_preload(args)
+            finally:
+                prewarm.discard()
         if args.command == "bench":
             from wcache.bench import run_bench
 
