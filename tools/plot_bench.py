@@ -260,20 +260,21 @@ def restart_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
     return [(p, d) for sub in (bench_dir, bench_dir / "cpu") for p, d in bench_records(sub) if d.get("handback")]
 
 
-def handback_table(bench_dir: Path = BENCH_DIR) -> str:
+def handback_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
     """A daemon killed under a running zero_copy engine, and the next one to READY, against the
     run's first start and its floor (a fresh interpreter importing torch)."""
-    rows = ["| Model | Device | Transport | First start to READY | Restart to READY | Floor | Restart / first start "
+    rows = ["| Record | Device | Transport | First start to READY | Restart to READY | Floor | Restart / first start "
             "| The restarted daemon |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for path, d in restart_records(bench_dir):
         h, dev = d["handback"], d["environment"].get("gpu", d["environment"]["device"])
+        record = f"[{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()})"
         if h.get("skipped"):
-            rows.append(f"| {run_label(path)} | {dev} | `{transport_of(path, d)}` | | | | | skipped: {h['skipped']} |")
+            rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | | | | | skipped: {h['skipped']} |")
             continue
         floor = fmt_seconds(h["floor_s"]) if "floor_s" in h else ""
         ratio = f"{h['restart_to_ready_s'] / h['first_start_to_ready_s']:.0%}"
-        rows.append(f"| {run_label(path)} | {dev} | `{transport_of(path, d)}` | {fmt_seconds(h['first_start_to_ready_s'])} "
+        rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | {fmt_seconds(h['first_start_to_ready_s'])} "
                     f"| {fmt_seconds(h['restart_to_ready_s'])} | {floor} | {ratio} "
                     f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
