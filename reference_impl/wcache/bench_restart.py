@@ -91,7 +91,12 @@ def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
     floor = floor_seconds(args.device, max(1, args.repeat))
     daemon.stop()  # a first start of its own, timed phase by phase like the restart
     first, first_phases = _timed_start(new_daemon)
-    eng = EngineUnderTest(args, work, "ipc_cache", lc)
+    try:
+        eng = EngineUnderTest(args, work, "ipc_cache", lc)
+    except BaseException:
+        first.stop()
+        raise
+    again = None
     try:
         # A GPU arena's record (its keyed hash) is written in the background after READY; a daemon
         # killed before that leaves nothing to adopt against, and the restart would time a disk load.
@@ -115,6 +120,9 @@ def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
                 "floor_samples": [round(f, 4) for f in floor],
                 "restart_over_first_start": round(again.ready_s / first.ready_s, 3),
                 "restart_minus_floor_s": round(again.ready_s - med_floor, 4)}
+    except BaseException:
+        (again or first).stop()  # the caller stops only the daemon it is handed back
+        raise
     finally:
         eng.stop()
 

@@ -70,7 +70,22 @@ def cmd_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(command_named(argv)).parse_args(argv)
+    command = command_named(argv)
+    if command != "preload" or {"-h", "--help"} & set(argv):
+        return _main(argv, command)
+    # The first daemon rank imports torch while this process does (building the preload flags
+    # imports it already): see daemon/prewarm.py. A rank not handed its spec is killed on the way out.
+    from wcache.daemon import prewarm
+
+    prewarm.start()
+    try:
+        return _main(argv, command)
+    finally:
+        prewarm.discard()
+
+
+def _main(argv: list[str], command: str | None) -> int:
+    args = build_parser(command).parse_args(argv)
     logs.setup(args.log_level)
     from wcache.errors import UserError
 
@@ -80,15 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "preload":
-            from wcache.daemon import prewarm
+            from wcache.daemon.launcher import run_preload
 
-            prewarm.start()  # the first rank imports torch while the launcher does (daemon/prewarm.py)
-            try:
-                from wcache.daemon.launcher import run_preload
-
-                return run_preload(args)
-            finally:
-                prewarm.discard()
+            return run_preload(args)
         if args.command == "bench":
             from wcache.bench import run_bench
 
