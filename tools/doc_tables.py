@@ -153,6 +153,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-runs": plot_bench.runs_table,
     "bench-start": plot_bench.engine_start_table,
     "bench-handback": plot_bench.handback_table,
+    "bench-handback-phases": plot_bench.handback_phases_table,
     "bench-copy-phases": plot_bench.copy_phases_table,
     "transports-handoff": plot_bench.transports_table,
     "transports-phases": plot_bench.transports_phases,

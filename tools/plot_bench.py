@@ -293,17 +293,50 @@ def engine_start_table(bench_dir: Path = BENCH_DIR) -> str:
     return "\n".join(rows)
 
 
-def handback_table(bench_dir: Path = BENCH_DIR) -> str:
-    """A daemon killed under a running zero_copy engine, and the next one to READY."""
-    rows = ["| Model | Transport | Daemon start to READY | Restart to READY | The restarted daemon |",
-            "| --- | --- | ---: | ---: | --- |"]
-    for path, d in bench_records(bench_dir):
-        h = d.get("handback")
-        if h:
-            rows.append(f"| {run_label(path)} | `{transport_of(path, d)}` | {fmt_seconds(h['first_start_to_ready_s'])} "
-                        f"| {fmt_seconds(h['restart_to_ready_s'])} "
-                        f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} |")
+def restart_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
+    """Records with a daemon restart: the GPU records, and the CPU ones kept apart in ``cpu/`` (so the
+    GPU tables and chart never mix them in)."""
+    return [(p, d) for sub in (bench_dir, bench_dir / "cpu") for p, d in bench_records(sub) if d.get("handback")]
+
+
+def handback_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """A daemon killed under a running zero_copy engine, and the next one to READY, against the
+    run's first start and its floor (a fresh interpreter importing torch)."""
+    rows = ["| Record | Device | Transport | First start to READY | Restart to READY | Floor | Restart / first start "
+            "| The restarted daemon |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for path, d in restart_records(bench_dir):
+        h, dev = d["handback"], d["environment"].get("gpu", d["environment"]["device"])
+        record = f"[{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()})"
+        if h.get("skipped"):
+            rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | | | | | skipped: {h['skipped']} |")
+            continue
+        floor = fmt_seconds(h["floor_s"]) if "floor_s" in h else ""
+        ratio = f"{h['restart_to_ready_s'] / h['first_start_to_ready_s']:.0%}"
+        rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | {fmt_seconds(h['first_start_to_ready_s'])} "
+                    f"| {fmt_seconds(h['restart_to_ready_s'])} | {floor} | {ratio} "
+                    f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
+
+
+def handback_phases_table(bench_dir: Path = BENCH_DIR) -> str:
+    """Where each daemon start of a restart measurement spends its time (bench_restart.PHASES)."""
+    recs = [(p, d) for p, d in restart_records(bench_dir) if d["handback"].get("restart_phases_s")]
+    if not recs:
+        return NO_RECORD
+    names: list[str] = []
+    for _, d in recs:
+        names += [k for k in d["handback"]["restart_phases_s"] if k not in names]
+    rows = ["| Model | Transport | Start | Total | " + " | ".join(names) + " |",
+            "| --- | --- | --- | ---: |" + " ---: |" * len(names)]
+    for path, d in recs:
+        h = d["handback"]
+        for label, key, total in (("first", "first_start_phases_s", "first_start_to_ready_s"),
+                                  ("restart", "restart_phases_s", "restart_to_ready_s")):
+            ph = h[key]
+            rows.append(f"| {run_label(path)} | `{transport_of(path, d)}` | {label} | {fmt_seconds(h[total])} | "
+                        + " | ".join(fmt_seconds(ph[n]) if ph.get(n) else "0" for n in names) + " |")
+    return "\n".join(rows)
 
 
 def _newest_per_transport(model: str, bench_dir: Path) -> list[tuple[Path, dict]]:

@@ -214,7 +214,8 @@ def _run_bench(args, work: Path) -> int:
         # The restart a user lives through: engine process start to /health 200, disk and cache.
         daemon.stop()
         daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
-        from wcache.bench_start import engine_start, handback_restart, start_floor
+        from wcache.bench_restart import handback_restart
+        from wcache.bench_start import engine_start, start_floor
 
         engine_start(args, work, "ipc_cache", lc_zero)  # not kept: the first start of the run
         starts = {"disk": [], "ipc_cache": [], "floor": []}
@@ -224,7 +225,7 @@ def _run_bench(args, work: Path) -> int:
                                    else engine_start(args, work, "safetensors"))
             starts["floor"].append(start_floor(args))
         handback = handback_restart(args, work, daemon, lc_zero, lambda: DaemonUnderTest(
-            cfg.model, cfg.device, args.dtype, sockets, args.transport))
+            cfg.model, cfg.device, args.dtype, sockets, args.transport), tensors_kind)
         daemon = handback.pop("daemon")
     finally:
         daemon.stop()
@@ -305,11 +306,9 @@ def render_table(r: dict) -> str:
                          f"ipc_cache start is {e['ipc_cache_over_floor_s']:.3f} s above it")
         for fmt in [f for f in ("disk", "ipc_cache", "floor") if f in e]:
             lines.append(f"{fmt} start phases (s): " + ", ".join(f"{k} {v}" for k, v in e[fmt]["phases_s"].items()))
-    h = r.get("handback")
-    if h:
-        lines.append(f"daemon restart to READY: {h['restart_to_ready_s']:.3f} s "
-                     f"({'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'}); "
-                     f"first start {h['first_start_to_ready_s']:.3f} s")
+    from wcache.bench_restart import render_lines
+
+    lines += render_lines(r.get("handback"))
     return "\n".join(lines)
 
 

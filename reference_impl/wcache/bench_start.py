@@ -1,5 +1,5 @@
 """The restart a user lives through, for `wcache bench`: a real `wcache serve` process timed from its
-spawn to the first /health 200, and a daemon restart that adopts a running engine's arena.
+spawn to the first /health 200 (a daemon restart that adopts its arena is bench_restart.py).
 
 The engine runs under ``python -c`` with bench_boot.py's ``serve_timed``: it notes when the interpreter
 is up, imports wcache's engine, creates the CUDA context as a step of its own (a real start pays it
@@ -21,7 +21,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from wcache.bench_failure import bench_failure
-from wcache.errors import ARENA_RECORDED, LEASE_LOST
 
 ENGINE_PHASES = ("interpreter", "imports", "cuda_context", "weights", "autotune", "activation_peak", "kv_alloc", "other")
 START_TIMEOUT_S = 1800  # to /health 200, a large checkpoint read from a cold disk included
@@ -126,31 +125,3 @@ def engine_start(args, work: Path, load_format: str, lc=None) -> dict:
         eng.stop()
 
 
-def handback_restart(args, work: Path, daemon, lc, new_daemon) -> dict:
-    """SIGKILL the daemon under a running zero_copy engine and time a new one to READY: with memfd
-    and vmm_fd it adopts the engine's arena instead of reading the checkpoint."""
-    first = daemon.ready_s
-    eng = EngineUnderTest(args, work, "ipc_cache", lc)
-    try:
-        # A GPU arena's record (its digest) is written in the background after READY; a daemon killed
-        # before that leaves nothing to adopt against, and the restart would time a disk load.
-        recorded = ARENA_RECORDED.split(" {kind}")[0].replace("Rank {rank}", "")
-        deadline = time.monotonic() + 300
-        while recorded not in daemon.text():
-            if time.monotonic() > deadline:
-                raise bench_failure("the daemon's arena record", "daemon", daemon.text(), waited_s=300)
-            time.sleep(0.05)
-        daemon.kill()
-        daemon.stop()
-        deadline = time.monotonic() + 60
-        while LEASE_LOST.split(" {path}")[0] not in eng.text() or "went away" not in eng.text():
-            if time.monotonic() > deadline:
-                raise bench_failure("the engine's hand-back offer", "engine", eng.text(), waited_s=60)
-            time.sleep(0.01)
-        again = new_daemon()
-        text = again.text()
-        return {"daemon": again, "first_start_to_ready_s": round(first, 4),
-                "restart_to_ready_s": round(again.ready_s, 4),
-                "adopted": "adopted the arena of a running engine" in text}
-    finally:
-        eng.stop()

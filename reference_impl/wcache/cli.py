@@ -70,7 +70,22 @@ def cmd_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(command_named(argv)).parse_args(argv)
+    command = command_named(argv)
+    if command != "preload" or {"-h", "--help"} & set(argv):
+        return _main(argv, command)
+    # The first daemon rank imports torch while this process does (building the preload flags
+    # imports it already): see daemon/prewarm.py. A rank not handed its spec is killed on the way out.
+    from wcache.daemon import prewarm
+
+    prewarm.start()
+    try:
+        return _main(argv, command)
+    finally:
+        prewarm.discard()
+
+
+def _main(argv: list[str], command: str | None) -> int:
+    args = build_parser(command).parse_args(argv)
     logs.setup(args.log_level)
     from wcache.errors import UserError
 

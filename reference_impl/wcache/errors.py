@@ -196,9 +196,10 @@ ADOPTED = ("Rank {rank} adopted the arena of a running engine (pid {pid}): {n} t
 OFFER_SKIPPED = "Rank {rank} did not adopt the arena offered at {offer}: {why}"
 STALE_OFFER = "Removed stale hand-back socket {offer}: no engine listens there"
 ARENA_NOT_RECORDED = "it is not the arena this daemon's cache packed and recorded"
-ARENA_RECORD_UNSAFE = "Hand-back disabled: {dir} is not a private directory of this user"
+ARENA_RECORD_UNSAFE = "Hand-back disabled: {dir} is not a private directory of this user: {why}"
+RECORD_NOT_USABLE = "Rank {rank} adopts no handed-back arena: {why}"
 ARENA_RECORDED = "Rank {rank} recorded its {kind} arena for a restarted daemon to adopt ({seconds:.2f} s)"
-ARENA_VERIFIED = ("Rank {rank} checked the handed-back arena against the digest recorded when it was packed: "
+ARENA_VERIFIED = ("Rank {rank} checked the handed-back arena against the keyed hash recorded when it was packed: "
                   "{mib:.1f} MiB in {seconds:.2f} s")
 
 # What a daemon rank answers when it refuses a request ({"ok": false, "error": KIND, "message": ...}),

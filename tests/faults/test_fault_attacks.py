@@ -30,7 +30,7 @@ from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key
-from wcache.daemon import arena_record
+from wcache.daemon import arena_hash, arena_record
 from wcache.daemon.rank import ACCEPT_FAILED_LOG, CLIENT_IO_LOG, REQUEST_TIMEOUT_S, UNREAD_LOG
 from wcache.errors import ARENA_NOT_RECORDED, ARENA_RECORD_UNSAFE, ARENA_RECORDED, DAEMON_ERRORS, OFFER_SKIPPED, DaemonLockError, SocketSecurityError
 from wcache.wire.handback import ASK_BUDGET_S, OFFER_PREFIX
@@ -149,17 +149,17 @@ def test_a_forged_hand_back_is_never_adopted(fault_procs, tiny_model, cfg, tmp_p
 
 
 def test_hashing_an_arena_on_the_cpu(tmp_path):
-    """The cost a vmm_fd adoption pays before serving (GPU arenas are hashed through the host), here
-    on the CPU: 256 MiB."""
+    """The keyed hash a vmm_fd adoption checks before serving (daemon/arena_hash.py; on a GPU it runs
+    on the GPU), here on the CPU: 256 MiB."""
+    secret = arena_hash.new_secret()
     t = torch.randint(0, 255, (256 << 20,), dtype=torch.uint8)
-    seconds, digest = timed(arena_record.arena_digest, t)
-    assert digest == arena_record.arena_digest(t.clone()) and len(digest) == 64
+    seconds, digest = timed(arena_hash.keyed_digest, t, secret)
+    assert digest == arena_hash.keyed_digest(t.clone(), secret) and len(digest) == 2
     t[12345] ^= 1
-    assert arena_record.arena_digest(t) != digest
+    assert arena_hash.keyed_digest(t, secret) != digest
     figure("hashing an arena (CPU)", mib=256, seconds=seconds, mib_per_s=256 / seconds)
 
 
-# -- 3. descriptors ----------------------------------------------------------------------------------
 def flood_once(sock: Path, spare: list[int]) -> dict | None:
     """One connection that sends its frame a byte at a time, 8 descriptors on every byte."""
     data = frame({"v": 1, "op": "get_memory"})
@@ -474,6 +474,8 @@ def test_silent_offers_cost_a_bounded_time_at_start(fault_procs, tiny_model, tmp
     baseline, p = timed(fault_procs.preload, tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(plain))
     p.stop()
     d = private_dir(tmp_path, "silent")
+    # A daemon that recorded its arena, so the next one asks the offers (one without a record asks none).
+    fault_procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(d)).stop()
     offers = SilentOffers(d, 6)
     try:
         seconds, q = timed(fault_procs.preload, tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(d))
@@ -485,16 +487,61 @@ def test_silent_offers_cost_a_bounded_time_at_start(fault_procs, tiny_model, tmp
     figure("6 silent offers", start_s=seconds, start_without_offers_s=baseline)
 
 
+def _other_owner_0777(state: Path) -> Path:
+    state.mkdir(parents=True)
+    os.chown(state, 65534, 65534)  # nobody's, and anyone may write it
+    os.chmod(state, 0o777)
+    return state
+
+
+def _open_parent(state: Path) -> Path:
+    state.mkdir(parents=True, mode=0o700)
+    os.chmod(state.parent, 0o777)  # ours, but anyone may swap the state directory inside it
+    return state.parent
+
+
+def _symlinked(state: Path) -> Path:
+    real = state.with_name("real-state")
+    real.mkdir(mode=0o700)
+    state.symlink_to(real)
+    return state
+
+
+def _symlink_in_the_middle(state: Path) -> Path:
+    # state = .../middle/wcache, with middle a link to a private directory
+    real = state.parent.with_name("real-middle")
+    (real / state.name).mkdir(parents=True, mode=0o700)
+    state.parent.symlink_to(real)
+    return state.parent
+
+
+UNSAFE_STATE = {  # how the directory is made unsafe -> the part of the path the daemon names, and why
+    "other owner, 0777": (_other_owner_0777, "belongs to uid 65534"),
+    "parent writable by others": (_open_parent, "is writable by group or others (mode 777)"),
+    "symlinked state dir": (_symlinked, "is a symbolic link"),
+    "symlinked middle component": (_symlink_in_the_middle, "is a symbolic link"),
+    "records dir writable by others": (lambda s: (s / "arenas").mkdir(parents=True) or os.chmod(s / "arenas", 0o777)
+                                       or s / "arenas", "is writable by group or others (mode 777)"),
+}
+
+
 @pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
-def test_a_state_dir_others_can_write_disables_hand_back(fault_procs, fault_env, tiny_model, tmp_path):
-    state = tmp_path / "open-state"
-    (state / "arenas").mkdir(parents=True)
-    os.chmod(state / "arenas", 0o777)  # anyone could plant a record here: it is not trusted
-    d = private_dir(tmp_path, "openstate")
+@pytest.mark.parametrize("case", list(UNSAFE_STATE))
+def test_a_state_dir_others_can_write_disables_hand_back(fault_procs, fault_env, tiny_model, tmp_path, case):
+    make, why = UNSAFE_STATE[case]
+    base = tmp_path / "s"
+    base.mkdir(mode=0o700)
+    state = base / "middle" / "wcache"
+    state.parent.mkdir(mode=0o700) if case != "symlinked middle component" else None
+    named = make(state)
+    d = private_dir(tmp_path, "unsafe")
     p = fault_procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(d),
                             env=dict(fault_env, WCACHE_STATE_DIR=str(state)))
-    assert ARENA_RECORD_UNSAFE.format(dir=state / "arenas") in p.log()
-    assert not list((state / "arenas").iterdir())
+    log = p.log()
+    assert ARENA_RECORD_UNSAFE.format(dir=state / "arenas", why=f"{named} {why}") in log, log
+    assert LOADED in log and ARENA_RECORDED.split(" {kind}")[0].format(rank=0) not in log
+    assert not list(base.rglob("*.json"))  # no record written anywhere below
+    assert call(d / SOCK_NAME, "get_memory")["ok"]  # and it serves from disk
     p.stop()
 
 

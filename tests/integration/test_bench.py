@@ -10,9 +10,12 @@ import pytest
 from itest import run_cli
 from procs import private_env
 from wcache.bench import render_table
+from wcache.bench_restart import PHASES
 from wcache.bench_start import ENGINE_PHASES, FLOOR_PHASES
 from wcache.errors import BenchError
 from wcache.wire.sockets import MAX_SOCKET_PATH
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench(model, env, repeat: int) -> dict:
@@ -69,9 +72,34 @@ def test_bench_json_has_seconds_and_ratios(small_record, small_model):
     # A daemon killed under a zero_copy engine: the next one adopts the engine's arena (memfd here).
     h = r["handback"]
     assert h["adopted"] is True and h["restart_to_ready_s"] > 0 and h["first_start_to_ready_s"] > 0
+    assert_restart_phases(h)
     table = render_table(r)
     assert "ipc_cache zero_copy" in table and "cache key: first sight" in table
     assert "engine start to /health 200" in table and "daemon restart to READY" in table
+
+
+def assert_restart_phases(h: dict) -> None:
+    """Both daemon starts split into bench_restart.PHASES that add up to their totals; the restart
+    adopted (import_arena, no load from disk) and the first start loaded; a floor was measured."""
+    for key, total in (("first_start_phases_s", "first_start_to_ready_s"), ("restart_phases_s", "restart_to_ready_s")):
+        phases = h[key]
+        assert list(phases) == list(PHASES), phases
+        assert sum(phases.values()) == pytest.approx(h[total], abs=0.02), (key, phases, h[total])
+        assert phases["imports"] > 0 and phases["cuda_context"] == 0  # a CPU daemon creates none
+    assert h["first_start_phases_s"]["load"] > 0 and h["first_start_phases_s"]["import_arena"] == 0
+    assert h["restart_phases_s"]["import_arena"] > 0
+    assert h["floor_s"] > 0 and h["floor_command"] == "import torch"
+
+
+def test_the_published_cpu_record_restarts_with_adoption_below_its_first_start():
+    """docs/benchmarks/cpu/: the CPU bench record shown on docs/benchmarks.md. A restart that adopts the
+    engine's arena must beat a start that loads from disk, in total and with its phases."""
+    [record] = sorted((ROOT / "docs" / "benchmarks" / "cpu").glob("*.json"))
+    h = json.loads(record.read_text())["handback"]
+    assert h["adopted"] is True
+    assert_restart_phases(h)
+    assert h["restart_to_ready_s"] < h["first_start_to_ready_s"], h
+    assert h["restart_phases_s"]["load"] < h["first_start_phases_s"]["load"], h  # no weights read from disk
 
 
 def test_a_daemon_that_fails_to_start_has_its_last_log_lines_printed(tiny_model, wcache_env, tmp_path):

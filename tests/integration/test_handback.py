@@ -24,6 +24,7 @@ from wcache.core.disk import load_processed
 from wcache.errors import (
     ARENA_NOT_RECORDED,
     ADOPTED,
+    RECORD_NOT_USABLE,
     HANDED_BACK,
     LEASE_LOST,
     LEASED_AGAIN,
@@ -120,8 +121,10 @@ def test_other_weights_are_not_adopted_and_the_engine_keeps_its_own(procs, tiny_
 
     second = procs.preload(other_model, NO_TUNE)
     log = second.log()
-    assert OFFER_SKIPPED.format(rank=0, offer=offer, why="it holds other weights (cache key fields differ: [") in log
-    assert LOADED in log and "adopted" not in log
+    # Its record is of the arena packed for the first model: no offer can be adopted, none is asked.
+    assert RECORD_NOT_USABLE.format(rank=0, why="its record is of an arena packed for other weights (cache key "
+                                                "fields differ: ['checkpoint'])") in log, log
+    assert LOADED in log and "adopted" not in log and HANDED_BACK.split(" (")[0] not in engine.log()
     engine.wait_for_log(OTHER_COPY.format(path=sock, why="WeightCacheKey mismatch on fields: ['").split("['")[0],
                         timeout=15)
     wait_until(lambda: not offers_next_to(sock), 10, "the engine to withdraw its offer")
@@ -197,7 +200,7 @@ def test_hostile_offers_are_refused_with_their_reason_and_a_forged_arena_is_neve
                                                                              fake_offers, tmp_path):
     cfg = EngineConfig.build(str(tiny_model), "auto", None, "cpu")
     sock = default_socket(wcache_env)
-    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    procs.preload(tiny_model, NO_TUNE).stop()  # a daemon that packed and recorded its arena, then stopped
     good = MemfdArena.pack(load_processed(cfg, False))
     state = {"key": cache_key(cfg), "socket": sock.name, "arena": good.descriptor(), "manifest": manifest(good.layout),
              "aliases": {},
@@ -211,7 +214,8 @@ def test_hostile_offers_are_refused_with_their_reason_and_a_forged_arena_is_neve
         ("device", reply(True, **(state | {"device_id": "cuda-GPU-0-0"})), [good.fd],
          "it maps device cuda-GPU-0-0, this rank serves cpu-"),
         ("unsealed", reply(True, **state), [unsealed], "the handed-back memfd is not sealed against writes"),
-        ("outside", reply(True, **(state | {"manifest": outside})), [good.fd], "bad manifest: "),
+        # The offer's manifest is never read (the record's is served): this one is refused for its bytes.
+        ("outside", reply(True, **(state | {"manifest": outside})), [good.fd], ARENA_NOT_RECORDED),
         ("refuses", reply(False, error="rejected", message="no"), [], "rejected: no"),
         # Sealed, the right key, device and manifest: everything an engine can make. But this daemon's
         # cache never packed it (no record), so it is a forgery, and it is refused.

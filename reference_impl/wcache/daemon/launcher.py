@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.core.config import EngineConfig, Ranks
 from wcache.errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
+from wcache.daemon import prewarm
 from wcache.daemon.seed import preload_seed_settings
 from wcache.wire.sockets import prepare_socket_dir
 
@@ -85,10 +86,16 @@ class RankProcess:
     def __init__(self, ranks: Ranks, spec: dict):
         self.ranks = ranks
         self.label = f"draft:{ranks.global_rank}" if spec.get("draft") else ranks.global_rank
-        r, w = os.pipe()
-        env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ranks": asdict(ranks), "ready_fd": w}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env, pass_fds=(w,))
-        os.close(w)
+        spec = {**spec, "ranks": asdict(ranks)}
+        waiting = prewarm.take()
+        if waiting is not None:  # the interpreter started before the launcher's own imports
+            waiting.hand({**spec, "ready_fd": waiting.ready_w, "spawned_at": waiting.spawned_at})
+            self.proc, r = waiting.proc, waiting.ready_r
+        else:
+            r, w = os.pipe()
+            env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ready_fd": w, "spawned_at": time.monotonic()}))
+            self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env, pass_fds=(w,))
+            os.close(w)
         self.ready_pipe = os.fdopen(r, "r")
         self.info: dict | None = None
 

@@ -72,8 +72,15 @@ from wcache.wire.sockets import (
 from wcache.wire.arena import manifest
 from wcache.wire.arenas import make_arena
 from wcache.wire.transports.auto import resolve_transport
+from wcache.daemon import ENTERED, prewarm
+from wcache.wire import handback
 
 log = logging.getLogger("wcache.daemon")
+
+# When each start-up step ended (time.monotonic, one clock for every process of the host); main()
+# logs the steps' seconds as START_PHASES once the rank serves, for `wcache bench` (bench_restart.py).
+MARKS: dict[str, float] = {}
+START_PHASES = "Rank {rank} start phases (s): {phases}"
 
 MAX_CLIENTS = 256
 REQUEST_TIMEOUT_S = 30.0  # waiting for a request, and then for all of its bytes (not per recv)
@@ -125,27 +132,25 @@ class RankDaemon:
         t0 = time.perf_counter()
         digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False))
         self.key = cache_key(self.cfg, digest)
+        MARKS["key"] = time.monotonic()
         from wcache.core.distributed import (
             join_daemon_world,  # one torch.distributed world over all ranks and nodes
         )
 
         join_daemon_world(self.spec.get("world"), self.cfg.ranks, self.cfg.device, digest)
         adopted = self._take_back() if self.spec.get("adopt", True) else None
+        MARKS["adopt"] = time.monotonic()
+        MARKS["adopted"] = bool(adopted)
         if adopted:
             self.arena, self.aliases, self.attrs = adopted
             self.weights_bytes = self.arena.weights_bytes
         else:
             weights = load_processed(self.cfg, show_progress=self.cfg.ranks.local_rank == 0)
             self.arena = make_arena(weights, self.cfg.torch_device, self.spec.get("transport", "auto"))
-            if self.spec.get("adopt", True):  # what a restarted daemon may adopt: this arena only
-                if self.arena.kind == "memfd":  # an fstat: at once
-                    arena_record.write(self.socket_path, self.arena, self.rank)
-                else:  # hashing GPU memory takes seconds per GiB: not on the way to serving
-                    self.recording = threading.Thread(target=arena_record.write, args=(self.socket_path, self.arena, self.rank),
-                                                      name="wcache-arena-record", daemon=True)
-                    self.recording.start()
             self.aliases, self.attrs = weights.aliases, weights.attrs
             self.weights_bytes = weights.nbytes
+            if self.spec.get("adopt", True):  # what a restarted daemon may adopt: this arena only
+                self._record()
             del weights
             gc.collect()  # the post-processed copies are in the arena now; free the transients
             if self.cfg.device == "cuda":
@@ -160,13 +165,26 @@ class RankDaemon:
                  self.rank, len(self.arena.layout.entries), self.weights_bytes / 2**20, self.arena.kind,
                  time.perf_counter() - t0, stats["files_hashed"], stats["files"])
 
+    def _record(self) -> None:
+        """Write what a restarted daemon may adopt: this arena, with everything served with it."""
+        served = {"key": self.key, "device_id": self.device_id, "manifest": manifest(self.arena.layout),
+                  "aliases": self.aliases, "attrs": self.attrs, "weights_bytes": self.weights_bytes}
+        args = (self.socket_path, self.arena, served, self.rank)
+        if self.arena.kind == "memfd":  # an fstat: at once
+            arena_record.write(*args)
+        else:  # hashing GPU memory: not on the way to serving
+            self.recording = threading.Thread(target=arena_record.write, args=args, name="wcache-arena-record",
+                                              daemon=True)
+            self.recording.start()
+
     def _take_back(self):
         """(arena, aliases, attrs) handed back by a running zero_copy engine (handback.py), or None."""
         kind = resolve_transport(self.spec.get("transport", "auto"), self.cfg.torch_device)
         if kind not in HANDED_BACK_KINDS:
             return None
+        record = arena_record.Record(self.socket_path, self.rank, self.key, self.device_id, kind)
         return take_back(self.socket_path, self.key, self.device_id, kind, self.cfg.torch_device, self.rank,
-                         verify=arena_record.Verifier(self.socket_path, self.rank))
+                         record=record)
 
     def autotune_pass(self) -> None:
         """Pull the tuned cache from a seed daemon if one is given, then load or tune it (before the
@@ -439,16 +457,44 @@ def _peer_pid(conn: socket.socket) -> int:
 
 
 
+def start_phases(spec: dict) -> dict:
+    """Seconds of each start-up step, from the launcher's spawn of this rank to now (serving)."""
+    now = time.monotonic()
+    taken = {k: handback.TIMINGS.get(k, 0.0) for k in ("import_arena", "verify")} if MARKS.get("adopted") else {}
+    imported, verified = taken.get("import_arena", 0.0), taken.get("verify", 0.0)
+    phases = {"interpreter": ENTERED - spec.get("spawned_at", ENTERED), "imports": MARKS["imported"] - ENTERED,
+              "spec_wait": MARKS["spec"] - MARKS["imported"],  # a prewarmed rank waiting for the launcher's plan
+              "cuda_context": MARKS["cuda_context"] - MARKS["init"],  # its configuration before it: in "other"
+              "key": MARKS["key"] - MARKS["cuda_context"],
+              "offers": MARKS["adopt"] - MARKS["key"] - imported - verified,  # finding and asking them, the world
+              "import_arena": imported, "verify": verified,
+              "load": MARKS["loaded"] - MARKS["adopt"],  # from disk and packing, unless adopted
+              "autotune": MARKS["autotuned"] - MARKS["loaded"]}
+    phases["other"] = now - spec.get("spawned_at", ENTERED) - sum(phases.values())
+    return {"spawned_at": spec.get("spawned_at"), "ready_at": now, **{k: round(v, 4) for k, v in phases.items()}}
+
+
 def main() -> int:
-    spec = json.loads(os.environ["WCACHE_RANK_SPEC"])
+    MARKS["imported"] = time.monotonic()
+    spec = prewarm.read_spec()  # a prewarmed rank waits here for the launcher's plan
+    if spec is None:
+        return 0  # started ahead of the launcher's plan, which did not need it
+    MARKS["spec"] = time.monotonic()
     logs.setup(spec.get("log_level", "INFO"))
     ready = os.fdopen(spec["ready_fd"], "w")
     daemon = RankDaemon(spec)
+    MARKS["init"] = time.monotonic()
+    if daemon.cfg.device == "cuda":  # its own step: otherwise the first CUDA call pays it inside another
+        torch.empty(1, device=daemon.cfg.torch_device)
+        torch.cuda.synchronize(daemon.cfg.torch_device)
+    MARKS["cuda_context"] = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: daemon.stop.set())
     signal.signal(signal.SIGINT, lambda *_: daemon.stop.set())
     try:
         daemon.load()
+        MARKS["loaded"] = time.monotonic()
         daemon.autotune_pass()
+        MARKS["autotuned"] = time.monotonic()
         daemon.start_seeding()
         listener = daemon.bind()
     except UserError as e:
@@ -458,6 +504,7 @@ def main() -> int:
                             "weights_bytes": daemon.weights_bytes}) + "\n")
     ready.close()
     log.info("Rank %d serving on %s", daemon.rank, daemon.path)
+    log.info(START_PHASES.format(rank=daemon.rank, phases=json.dumps(start_phases(spec))))
     try:
         daemon.serve(listener)
     finally:

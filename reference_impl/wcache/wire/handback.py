@@ -12,11 +12,13 @@ the arena. So instead of reading the checkpoint again, the next daemon can serve
 2. Daemon: after hashing the checkpoint and before loading it, it asks every offer in the
    directory, at once and within ASK_BUDGET_S in all, for the arena of its own socket name. The
    engine of that socket (same uid) answers with the arena's descriptor, manifest, aliases and
-   attributes and passes the descriptor (SCM_RIGHTS); others say it is not theirs. The daemon takes
-   it only if the cache key, device and transport are its own, the manifest lies inside the arena,
-   (memfd) the seals forbid writes, and the daemon's ``verify`` accepts it: daemon/arena_record.py
-   checks that it is the very arena a daemon of this socket packed, since any process of the uid
-   can plant an offer. Anything else is logged and it loads from disk.
+   attributes and passes the descriptor (SCM_RIGHTS); others say it is not theirs. Any process
+   that reaches the directory can plant an offer, so the daemon takes nothing but the descriptor:
+   it serves it only as the arena its own record (daemon/arena_record.py, in its state directory)
+   says it packed for its current checkpoint, key, device, rank and transport, with the record's
+   layout, aliases and attributes, and only once the bytes check out against the record (memfd:
+   seals and inode identity; vmm_fd: a keyed hash on the GPU). Anything else is logged and it
+   loads from disk.
 3. Engine: it re-leases from the daemon that now serves the same arena (same arena id), and
    removes its offer. If the new daemon loaded its own copy instead, the engine keeps its memory,
    stops offering and says so.
@@ -40,7 +42,6 @@ from pathlib import Path
 
 from wcache.errors import (
     ADOPTED,
-    ARENA_NOT_RECORDED,
     HANDED_BACK,
     LEASE_LOST,
     LEASED_AGAIN,
@@ -55,13 +56,14 @@ from wcache.core.fingerprint import mismatched_fields
 from wcache.wire.protocol import ProtocolError, close_fds, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import MAX_SOCKET_PATH, bind_private_socket, check_socket_file, peer_cred
 from wcache.wire.arena import Layout
-from wcache.wire.arenas import HANDED_BACK_KINDS, adopt_arena
+from wcache.wire.arenas import HANDED_BACK_KINDS, adopt_arena  # noqa: F401  (rank.py imports HANDED_BACK_KINDS here)
 
 log = logging.getLogger("wcache.handback")
 
 OFFER_PREFIX = "wcache_offer_"  # + 16 hex + ".sock": 34 bytes, shorter than any daemon socket's name
 ASK_TIMEOUT_S = 5.0  # an engine answers at once; a hung one must not stall a daemon's start for long
 ASK_BUDGET_S = 5.0  # all offers are asked at once, and all together within this
+TIMINGS: dict[str, float] = {}  # seconds of the last adoption's import and verification (the daemon's start phases)
 MAX_OFFERS = 64  # offers asked per start; more is a flood, not engines
 NOT_THIS_SOCKET = "not_this_socket"
 RELEASE_POLL_S = 0.25
@@ -233,14 +235,18 @@ def offers(socket_path: Path) -> list[Path]:
     return sorted(found, key=age)[:MAX_OFFERS]
 
 
-def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int, verify=None):
-    """(arena, aliases, attrs) from the first engine that offers a matching arena, else None.
+def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int, record=None):
+    """(arena, aliases, attrs) from the first engine that hands back the arena ``record`` describes, else None.
 
-    arenas.adopt_arena builds the arena object and raises ProtocolError (or OSError, or
-    RuntimeError from the driver) when the memory is not acceptable; ``verify(arena)`` raises
-    ValueError unless the daemon recorded that arena (daemon/arena_record.py). Without ``verify``
-    nothing is adopted: an offer's own word proves nothing.
+    ``record`` (daemon/arena_record.py ``Record``) is this daemon's own account of the arena it
+    packed for its current key, device, rank and transport. From an offer only the descriptor is
+    taken: the arena's id, size, layout, aliases and attributes come from the record, and
+    ``record.verify`` checks the bytes (raises ValueError). What the offer says about itself (its
+    key, device, kind) only lets the daemon name why an engine's arena is not for it. Without a
+    usable record nothing is adopted and no offer is asked.
     """
+    if record is None or not record.usable:
+        return None
     t0 = time.perf_counter()
     candidates = []
     for offer in offers(socket_path):
@@ -256,6 +262,7 @@ def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, r
     with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="wcache-ask") as pool:
         answers = list(zip(candidates, pool.map(lambda o: _ask(o, rank, socket_path.name, deadline), candidates)))
     adopted = None
+    manifest, aliases, attrs = record.served
     for offer, got in answers:
         if got is None:
             continue
@@ -263,20 +270,23 @@ def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, r
         if adopted is not None:
             close_fds(fds)
             continue
+        t_import = time.perf_counter()
         try:
-            arena, aliases, attrs = _accept(answer, fds, key, device_id, kind, device)
+            _screen(answer, fds, key, device_id, kind)
+            layout = Layout.from_manifest(manifest, record.descriptor()["size"])
+            arena = adopt_arena(kind, record.descriptor(), layout, fds[0], device)
         except (ProtocolError, OSError, RuntimeError, ValueError) as e:
             close_fds(fds)
             log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
             continue
+        t_verify = time.perf_counter()
         try:
-            if verify is None:
-                raise ValueError(ARENA_NOT_RECORDED)
-            verify(arena)
+            record.verify(arena)
         except (ValueError, OSError, RuntimeError) as e:
             arena.close()
             log.warning(OFFER_SKIPPED.format(rank=rank, offer=offer, why=e))
             continue
+        TIMINGS.update(import_arena=t_verify - t_import, verify=time.perf_counter() - t_verify)
         n = sum(len(g["names"]) for g in arena.layout.groups)
         log.info(ADOPTED.format(rank=rank, pid=pid, n=n, mib=arena.weights_bytes / 2**20,
                                 seconds=time.perf_counter() - t0))
@@ -324,24 +334,16 @@ def _ask(offer: Path, rank: int, socket_name: str, deadline: float):
         sock.close()
 
 
-def _accept(answer: dict, fds: list[int], key: dict, device_id: str, kind: str, device):
+def _screen(answer: dict, fds: list[int], key: dict, device_id: str, kind: str) -> None:
+    """Refuse an offer that says it is not for this daemon, naming why (an engine of other weights,
+    device or transport). Passing proves nothing: the record and the bytes decide."""
     if len(fds) != 1:
         raise ProtocolError(f"expected one arena descriptor, got {len(fds)}")
     theirs = answer.get("key")
-    if not isinstance(theirs, dict):
-        raise ProtocolError("the offer carries no cache key")
-    fields = mismatched_fields(key, theirs)
-    if fields:
+    if isinstance(theirs, dict) and (fields := mismatched_fields(key, theirs)):
         raise ValueError(f"it holds other weights (cache key fields differ: {fields[:8]})")
-    if answer.get("device_id") != device_id:
-        raise ValueError(f"it maps device {answer.get('device_id')}, this rank serves {device_id}")
-    desc, aliases, attrs = answer.get("arena"), answer.get("aliases"), answer.get("attrs")
-    if not isinstance(desc, dict) or desc.get("kind") != kind:
-        raise ValueError(f"it holds a {(desc or {}).get('kind')!r} arena, this rank serves {kind!r}")
-    if not isinstance(desc.get("id"), str) or not isinstance(attrs, dict) or not isinstance(aliases, dict):
-        raise ProtocolError("the offer lacks an arena id, aliases or attributes")
-    layout = Layout.from_manifest(answer.get("manifest") or {}, desc.get("size"))
-    names = {n for g in layout.groups for n in g["names"]}
-    if not all(isinstance(a, str) and t in names for a, t in aliases.items()):
-        raise ProtocolError("an alias names a tensor the arena does not hold")
-    return adopt_arena(kind, desc, layout, fds[0], device), aliases, attrs
+    if answer.get("device_id") not in (None, device_id):
+        raise ValueError(f"it maps device {str(answer.get('device_id'))[:128]}, this rank serves {device_id}")
+    desc = answer.get("arena")
+    if isinstance(desc, dict) and desc.get("kind") not in (None, kind):
+        raise ValueError(f"it holds a {str(desc.get('kind'))[:32]!r} arena, this rank serves {kind!r}")
