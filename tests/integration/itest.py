@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from procs import call, child_pids, wait_until  # noqa: F401  (re-exported: the raw protocol client and the poll)
+from procs import alive, call, child_pids, wait_until  # noqa: F401  (re-exported: liveness, the raw protocol client and the poll)
 from wcache.core.device import device_identity
 from wcache.wire.sockets import socket_name
 

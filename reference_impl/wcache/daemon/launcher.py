@@ -23,7 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from wcache.core.config import EngineConfig, Ranks
 from wcache.errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
 from wcache.daemon.seed import preload_seed_settings
-from wcache.wire.sockets import prepare_socket_dir
+from wcache.core.device import device_identity
+from wcache.wire.sockets import DaemonLock, claim_socket, prepare_socket_dir, socket_name
 
 log = logging.getLogger("wcache.preload")
 
@@ -81,14 +82,38 @@ def _group_spec(spec: dict, group: dict, seed) -> dict:
     return {**spec, **group, "seed": seed}
 
 
+def claim_rank_sockets(socket_dir, device: str, planned: list[Ranks], groups: list[dict]) -> list[DaemonLock]:
+    """The lock of every rank this launcher will start, in the order the ranks start, taken before
+    any rank exists: a second `wcache preload` for a device stops here, in well under a second of its
+    own work, having started no interpreter, read no weight and written no record."""
+    d = prepare_socket_dir(socket_dir, create=True)
+    locks: list[DaemonLock] = []
+    try:
+        for group in groups:
+            for r in planned:
+                locks.append(claim_socket(d / socket_name(device_identity(device, r.local_rank), group.get("draft", False))))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
 class RankProcess:
-    def __init__(self, ranks: Ranks, spec: dict):
+    def __init__(self, ranks: Ranks, spec: dict, lock: DaemonLock):
         self.ranks = ranks
         self.label = f"draft:{ranks.global_rank}" if spec.get("draft") else ranks.global_rank
         r, w = os.pipe()
-        env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ranks": asdict(ranks), "ready_fd": w}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env, pass_fds=(w,))
-        os.close(w)
+        # The rank inherits the lock's open file (and with it the flock), and learns who its parent
+        # is, so that it can die with it (lifeline.py). This process keeps no copy of the lock: a
+        # rank that dies releases its device at once, while the launcher still runs.
+        env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ranks": asdict(ranks), "ready_fd": w,
+                                                            "lock_fd": lock.fd, "parent_pid": os.getpid()}))
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env, pass_fds=(w, lock.fd))
+        finally:
+            os.close(w)
+            lock.release()
         self.ready_pipe = os.fdopen(r, "r")
         self.info: dict | None = None
 
@@ -102,7 +127,16 @@ def run_preload(args) -> int:
         raise UnsupportedQuantForIPCError(cfg.quant.name)
     plan = plan_local_ranks(args, cfg)
     log.info("Daemon plan: %s", plan.describe())
-    prepare_socket_dir(args.weight_cache_socket_dir, create=True)
+    planned = plan.layout.local_ranks()
+    locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups)
+    try:
+        return _run_ranks(args, cfg, plan, planned, locks)
+    finally:
+        for lock in locks:
+            lock.release()  # those not handed to a rank: an error before every rank started
+
+
+def _run_ranks(args, cfg, plan, planned, locks) -> int:
     seeding = preload_seed_settings(args)
 
     stop = threading.Event()
@@ -121,13 +155,13 @@ def run_preload(args) -> int:
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"])
-    planned = plan.layout.local_ranks()
     seeds = seeding["seeds"]
     if seeds is not None and len(seeds) != len(planned):
         raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
-    ranks = [RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None))
-             for group in plan.groups for i, r in enumerate(planned)]
+    ranks = []
     try:
+        for lock, (group, i, r) in zip(locks, [(g, i, r) for g in plan.groups for i, r in enumerate(planned)]):
+            ranks.append(RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None), lock))
         code = _await_ready(ranks, stop)
         if code is not None:
             return code
