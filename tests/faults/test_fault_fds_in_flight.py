@@ -155,7 +155,10 @@ def test_descriptors_parked_in_flight_by_the_same_user_are_named_and_the_daemon_
         got = engine_load(model, sock, env)
         detail = DAEMON_ERRORS["fds_in_flight"].format(uid=OTHER, limit=limit)
         assert got == {"source": "disk", "reason": REASONS["fds_in_flight"].format(path=sock, detail=detail)}
-        assert "too many file descriptors in flight for this user" in got["reason"]
+        assert got["reason"] == (f"The weight cache daemon at {sock} cannot pass its memory to this engine: too many file "
+                                 "descriptors in flight for this user (ETOOMANYREFS): the kernel refused to pass the "
+                                 f"arena's descriptor, because processes of uid {OTHER} hold more than {limit} descriptors "
+                                 "sent over Unix sockets and not yet received; see the daemon's log")
         assert "may have crashed" not in got["reason"]
         wait_until(lambda: "fds_in_flight" in log.read_text(), 10, "the daemon's log line")
         assert REFUSED_LOG % ("get_state", int(log.read_text().split("from pid ")[-1].split()[0]), "fds_in_flight",
