@@ -24,6 +24,17 @@ def rank_pids(launcher_pid: int) -> list[int]:
     return child_pids(launcher_pid)
 
 
+def memfd_inode(pid: int) -> int:
+    """The inode of the arena memfd a daemon rank holds: the same inode is the same memory."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        except OSError:
+            continue
+    raise AssertionError(f"pid {pid} holds no arena memfd")
+
+
 def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "wcache.cli", *args], check=False, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from itest import alive, call, default_socket, rank_pids, wait_until
+from itest import alive, call, default_socket, memfd_inode, rank_pids, wait_until
 from procs import complete
 from wcache.daemon import arena_record
 from wcache.errors import ADOPTED, DaemonLockError
@@ -37,19 +37,9 @@ OWN_WORK_S = 1.0
 IMPORTS = "from wcache import cli; cli.build_parser('preload'); import wcache.daemon.launcher"
 
 
-def memfd_inode(pid: int) -> int:
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
-                return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
-        except OSError:
-            continue
-    raise AssertionError(f"pid {pid} holds no arena memfd")
-
-
 def wall(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
     return time.perf_counter() - t0, out
 
 

@@ -21,10 +21,19 @@ from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.core.config import EngineConfig, Ranks
-from wcache.errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
-from wcache.daemon.seed import preload_seed_settings
 from wcache.core.device import device_identity
-from wcache.wire.sockets import DaemonLock, claim_socket, prepare_socket_dir, socket_name
+from wcache.daemon.seed import preload_seed_settings
+from wcache.errors import (
+    PreloadConfigError,
+    SeedConfigError,
+    UnsupportedQuantForIPCError,
+)
+from wcache.wire.sockets import (
+    DaemonLock,
+    claim_socket,
+    prepare_socket_dir,
+    socket_name,
+)
 
 log = logging.getLogger("wcache.preload")
 

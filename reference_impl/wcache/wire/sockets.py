@@ -111,7 +111,7 @@ class DaemonLock:
         self.fd = fd
 
     @classmethod
-    def inherited(cls, socket_path: Path, fd: int) -> "DaemonLock":
+    def inherited(cls, socket_path: Path, fd: int) -> DaemonLock:
         """The lock a launcher took for this rank and passed down as descriptor ``fd`` (the same
         open file, so the flock is already ours; taking it again on it only confirms that)."""
         lock = cls(socket_path)
