@@ -63,6 +63,15 @@ def child_pids(pid: int) -> list[int]:
     return sorted(found)
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped by whoever adopted it) does not."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def wait_until(predicate, timeout: float = 30.0, what: str = "condition", on_timeout=lambda: "", *,
                interval: float = 0.05) -> None:
     """Poll ``predicate`` until true; fail naming ``what`` (and ``on_timeout()``'s text) after ``timeout``."""

@@ -62,9 +62,15 @@ class DaemonLockError(UserError):
     CANNOT_OPEN = "Cannot open the lock file {path}: {error}"
     LIVE_SOCKET = ("A weight cache daemon still serves {path} although its lock file was removed; "
                    "stop that daemon first (this one leaves its socket alone)")
+    UNSURE_SOCKET = ("A process may still serve {path} although its lock file was removed: connecting to it gave "
+                     "'{error}', and only a refused connection proves a socket stale; stop that daemon first "
+                     "(this one leaves its socket alone)")
 
     def __init__(self, path, template: str | None = None, **fields):
         super().__init__((template or self.TEMPLATE).format(path=path, **fields))
+
+
+STALE_SOCKET_REMOVED = "Removing stale socket {path} left by a previous daemon"
 
 
 class WeightCacheTimeoutError(UserError):
@@ -173,13 +179,15 @@ REASONS = {
     "map": "Cannot map the weight cache daemon's memory: {error}",
     "transport": "The weight cache daemon serves a {served} arena but the loader requires transport {wanted}",
     "busy": "The weight cache daemon at {path} is busy: {detail}",
+    "fds_in_flight": "The weight cache daemon at {path} cannot pass its memory to this engine: {detail}",
     "lost": ("The weight cache daemon at {path} closed the connection without answering ({error}); "
              "it may have crashed or been stopped: see its log"),
 }
 
 # Kinds worth waiting for when fallback is off: the daemon may still be starting, have too many
-# connections for now, or be restarting after a crash.
-RETRYABLE = {"no_socket", "refused", "busy", "lost"}
+# connections for now, be restarting after a crash, or wait for another process of the user to
+# take its descriptors out of flight.
+RETRYABLE = {"no_socket", "refused", "busy", "lost", "fds_in_flight"}
 
 # Handing the arena back to a restarted daemon (handback.py). The engine's log lines:
 LEASE_LOST = ("The weight cache daemon at {path} went away; this engine keeps serving from the weights it maps "
@@ -214,6 +222,12 @@ DAEMON_ERRORS = {
     "unknown_op": "unknown request {op!r}; expected get_state, get_memory or release",
     "busy_bytes": "the daemon holds {held} of {limit} bytes of requests in flight; retry shortly",
     "unread": "this connection has not read the daemon's last answer, which carries a descriptor; closing it",
+    # sendmsg's ETOOMANYREFS: the kernel counts the descriptors that all processes of one user have
+    # sent over Unix sockets and nobody has received yet, and refuses more beyond the sender's
+    # RLIMIT_NOFILE (root is exempt). Nothing was sent: the stream is at a frame boundary still.
+    "fds_in_flight": ("too many file descriptors in flight for this user (ETOOMANYREFS): the kernel refused to "
+                      "pass the arena's descriptor, because processes of uid {uid} hold more than {limit} "
+                      "descriptors sent over Unix sockets and not yet received; see the daemon's log"),
 }
 
 

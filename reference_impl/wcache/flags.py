@@ -158,7 +158,7 @@ def add_preload_args(p) -> None:
                         "died (memfd and vmm_fd arenas; see docs/how-it-works.md, Restarts)")
     g.add_argument("--weight-cache-rehash", default=False, action="store_true",
                    help="hash every checkpoint file on this start instead of reusing the digests remembered "
-                        "by file identity (a write through a shared mapping can leave ctime and mtime unchanged)")
+                        "by file identity (for a change that no file time shows, e.g. one written below the filesystem)")
     add_daemon_port_args(g)
     s = p.add_argument_group("autotune seeding (see docs/autotune.md)")
     s.add_argument("--weight-cache-seed-listen", default=None, metavar="HOST:BASE_PORT",

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from procs import call, child_pids, wait_until  # noqa: F401  (the fault tests import call and wait_until from here)
+from procs import alive, call, child_pids, wait_until  # noqa: F401  (the fault tests import alive, call and wait_until from here)
 from wcache.core.device import device_identity
 from wcache.wire.protocol import (
     MAX_CONTAINERS,
@@ -68,14 +68,6 @@ def fd_count(pid: int) -> int:
 
 def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def connections_to(path: Path) -> int:

@@ -90,7 +90,7 @@ def refusals() -> dict[str, set[str]]:
 def test_every_daemon_error_kind_has_its_own_message():
     kinds = refusals()
     assert set(kinds) == {"protocol", "mismatch", "released", "rejected", "busy", "in_use", "release_failed",
-                          "unread", "error"}, kinds  # "error": _refuse's own parameter
+                          "unread", "fds_in_flight", "error"}, kinds  # "error": _refuse's own parameter
     kinds.pop("error")
     protocol = kinds.pop("protocol")
     assert protocol == {"str(e)", "DAEMON_ERRORS['bad_get_state'].format(modes=list(MODES))",
@@ -110,6 +110,7 @@ SAMPLES = {  # each refusal as the daemon sends it
     "in_use": reply(False, error="in_use", message=DAEMON_ERRORS["in_use"].format(n=2)),
     "release_failed": reply(False, error="release_failed", message=DAEMON_ERRORS["release_failed"].format(error="x")),
     "protocol": reply(False, error="protocol", message=DAEMON_ERRORS["unknown_op"].format(op="x")),
+    "fds_in_flight": reply(False, error="fds_in_flight", message=DAEMON_ERRORS["fds_in_flight"].format(uid=1234, limit=1024)),
 }
 
 
@@ -144,7 +145,8 @@ def test_each_refusal_reaches_the_engine_as_its_own_reason(tmp_path):
     listener.close()
     assert {k: v[0] for k, v in reasons.items()} == {"mismatch": "mismatch", "released": "released",
                                                       "rejected": "rejected", "busy": "busy", "in_use": "protocol",
-                                                      "release_failed": "protocol", "protocol": "protocol"}
+                                                      "release_failed": "protocol", "protocol": "protocol",
+                                                      "fds_in_flight": "fds_in_flight"}
     texts = [v[1] for v in reasons.values()]
     assert len(set(texts)) == len(texts), reasons
     assert len({FALLBACK.format(reason=t) for t in texts}) == len(texts)

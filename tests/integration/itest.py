@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from procs import call, child_pids, wait_until  # noqa: F401  (re-exported: the raw protocol client and the poll)
+from procs import alive, call, child_pids, wait_until  # noqa: F401  (re-exported: liveness, the raw protocol client and the poll)
 from wcache.core.device import device_identity
 from wcache.wire.sockets import socket_name
 
@@ -22,6 +22,17 @@ def default_socket(env: dict) -> Path:
 def rank_pids(launcher_pid: int) -> list[int]:
     """The daemon rank processes a `wcache preload` launcher started (its children)."""
     return child_pids(launcher_pid)
+
+
+def memfd_inode(pid: int) -> int:
+    """The inode of the arena memfd a daemon rank holds: the same inode is the same memory."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        except OSError:
+            continue
+    raise AssertionError(f"pid {pid} holds no arena memfd")
 
 
 def run_cli(*args: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:

@@ -223,7 +223,7 @@ def test_a_second_daemon_for_the_same_socket_fails_with_exit_2(daemon, sock, mod
     assert second.exit_code(120) == 2
     log = second.log()
     assert f"Another weight cache daemon already owns {sock}" in log
-    assert "Weight cache daemon rank(s) exited during startup (exitcodes={0: 2})" in log
+    assert "exited during startup" not in log  # the launcher stopped on the lock: it started no rank
     assert_serving(sock)
 
 

@@ -83,7 +83,7 @@ def test_a_socket_dir_too_long_for_a_unix_socket_is_refused_before_binding(tiny_
             "device": "cpu", "socket_dir": str(long_dir)}
     daemon = RankDaemon(spec)
     with pytest.raises(UserError) as err:
-        daemon.bind()
+        daemon.claim()
     path = socket_path_for(long_dir, daemon.device_id)  # even the short name cannot fit
     assert len(os.fsencode(path)) > MAX_SOCKET_PATH
     assert str(err.value) == (f"Socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "

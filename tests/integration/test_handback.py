@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from itest import call, default_socket, rank_pids, wait_until
+from itest import call, default_socket, memfd_inode, rank_pids, wait_until
 from procs import complete
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
@@ -43,17 +43,6 @@ from wcache.wire.transports.memfd import MemfdArena
 NO_TUNE = "--no-enable-autotune"
 LOADED = "Rank 0 loaded 27 tensors"
 ZERO_COPY = ("--load-format", "ipc_cache", NO_TUNE)
-
-
-def memfd_inode(pid: int) -> int:
-    """The inode of the arena memfd a daemon rank holds: the same inode is the same memory."""
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if "memfd:wcache-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
-                return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
-        except OSError:
-            continue
-    raise AssertionError(f"pid {pid} holds no arena memfd")
 
 
 def offers_next_to(sock: Path) -> list[Path]:

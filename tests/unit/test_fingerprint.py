@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +115,53 @@ def test_key_has_every_field_and_reports_the_ones_that_differ(tiny_model):
     }
     for fields, other in variants.items():
         assert mismatched_fields(key, cache_key(other, digest="d" * 64)) == list(fields)
+
+
+def test_a_write_through_a_dirty_page_changes_no_time_until_the_page_is_written_back(tmp_path):
+    """Why a digest is remembered only for a file written back before it was hashed (fingerprint.py)."""
+    import mmap
+    import os
+
+    f = tmp_path / "shard"
+    f.write_bytes(bytes(8192))
+    with open(f, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as m:
+        time.sleep(0.05)
+        m[0] = 1  # the fault that makes the page writable sets the times
+        dirty = os.stat(f)
+        time.sleep(0.05)
+        m[1] = 1  # the page is dirty and writable: no fault, no time
+        assert os.stat(f).st_mtime_ns == dirty.st_mtime_ns and os.stat(f).st_ctime_ns == dirty.st_ctime_ns
+        if fingerprint._filesystem_type(dirty) in fingerprint.MEMORY_FILESYSTEMS:
+            return  # no writeback there, so the fsync below would change nothing: never remembered
+        fingerprint._hash_file(f)  # written back: the page is write-protected again
+        time.sleep(0.05)
+        m[2] = 1
+        assert os.stat(f).st_mtime_ns > dirty.st_mtime_ns
+
+
+def test_a_checkpoint_on_a_memory_filesystem_is_never_remembered(tiny_model, tmp_path, monkeypatch):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or fingerprint._filesystem_type(shm.stat()) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    monkeypatch.setenv("WCACHE_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setattr(fingerprint, "RACY_WINDOW_NS", 0)
+    copy = Path(tempfile.mkdtemp(dir=shm, prefix="wcache-test-"))
+    try:
+        shutil.copytree(tiny_model, copy, dirs_exist_ok=True)
+        time.sleep(0.01)
+        assert checkpoint_digest(copy)[1]["files_unsettled"] == 3
+        assert checkpoint_digest(copy)[1]["files_hashed"] == 3  # hashed again on every start
+    finally:
+        shutil.rmtree(copy)
+
+
+def test_digests_remembered_without_a_writeback_are_hashed_again(ckpt, monkeypatch):
+    """Entries written by a version that did not fsync first may be digests of a dirty page."""
+    monkeypatch.setattr(fingerprint, "RACY_WINDOW_NS", 0)
+    time.sleep(0.01)
+    checkpoint_digest(ckpt)
+    memo_file = fingerprint._memo_path(ckpt)
+    memo = json.loads(memo_file.read_text())
+    assert len(memo) == 3 and all(e["written_back"] is True for e in memo.values())
+    memo_file.write_text(json.dumps({n: {"identity": e["identity"], "sha256": e["sha256"]} for n, e in memo.items()}))
+    assert checkpoint_digest(ckpt)[1]["files_hashed"] == 3

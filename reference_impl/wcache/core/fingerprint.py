@@ -5,10 +5,29 @@ Upstream hashes the safetensors file names and JSON headers only, so a checkpoin
 the checkpoint field is a digest of every byte of every shard (names without directories, so the
 same weights in another directory still match). Hashing is one pass over the files; to keep a
 restart cheap, each file's digest is remembered under the cache root together with the file's
-identity (device, inode, size, mtime and ctime in nanoseconds). Any write to a file changes its
-ctime, which users cannot set, so a remembered digest is only reused for an untouched file. A file
-changed within RACY_WINDOW_NS before it was hashed is not remembered: coarse timestamps (a jiffy
-on older kernels, a second on some filesystems) could give a later write the same ctime.
+identity (device, inode, size, mtime and ctime in nanoseconds), and reused only while the file's
+identity is unchanged.
+
+That is sound only for bytes that no write can change without changing the identity, and not every
+write does: a write(2) sets mtime and ctime, but a write through a shared mapping sets them only in
+the page fault that makes a clean page writable. Once a page is dirty, further writes through the
+same mapping change the bytes and no time at all (tested in tests/unit/test_fingerprint.py). So a
+digest is remembered only when every condition below holds, each for a reason:
+
+* The file's dirty pages were written back (fsync) before it was hashed. Writeback write-protects
+  every mapping of a cleaned page, so the next write through any mapping faults again and sets
+  mtime and ctime, which nobody can set back to an earlier ctime. fsync works on a read-only
+  descriptor on Linux; where it fails (EROFS, EINVAL: a filesystem that cannot write back), the
+  digest serves this start only.
+* The filesystem writes pages back at all. tmpfs, ramfs and hugetlbfs keep pages in memory with no
+  writeback, so fsync cleans nothing and a dirty page stays writable without a fault forever:
+  checkpoints there are hashed on every start (MEMORY_FILESYSTEMS).
+* The identity did not change while the file was hashed (fstat before and after): a write during
+  the pass would leave a digest of neither version.
+* The file's mtime and ctime are older than RACY_WINDOW_NS before hashing began, as git treats a
+  racy index entry: timestamps can be coarse (a jiffy on older kernels, a second on some
+  filesystems), so a write in the same tick as the hashed one could leave the same times. A write
+  after the pass gets a time later than the pass began, which a settled file's times are not.
 """
 
 from __future__ import annotations
@@ -43,18 +62,54 @@ def _file_identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _hash_file(path: Path) -> str:
+# Filesystems that never write pages back: a dirty page of a shared mapping stays writable
+# without another fault, so no write through it would ever change the file's times.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
+
+
+def _filesystem_type(st: os.stat_result) -> str | None:
+    """The type of the mounted filesystem that holds a file (by its device in /proc/self/mountinfo)."""
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[2:3] == [dev]:
+            return rest.split()[0]
+    return None
+
+
+def _hash_file(path: Path) -> tuple[str, os.stat_result | None]:
+    """The file's SHA-256, and its identity if the digest may be remembered (see the module's
+    docstring): written back first, unchanged while hashed, on a filesystem that writes back."""
     h = hashlib.sha256()  # SHA-NI makes it the fastest cryptographic hash here
     try:
         f = open(path, "rb", buffering=0)
     except OSError as e:
         raise checkpoint.CheckpointError(f"Cannot read checkpoint file {path}: {e.strerror}") from None
     with f:
+        try:
+            os.fsync(f.fileno())  # dirty pages to disk, their mappings write-protected again
+            written_back = True
+        except OSError:  # EROFS, EINVAL: nothing proves the bytes clean; this start only
+            written_back = False
+        before = os.fstat(f.fileno())
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])  # releases the GIL: files hash in parallel threads
-    return h.hexdigest()
+        after = os.fstat(f.fileno())
+    clean = (written_back and _file_identity(before) == _file_identity(after)
+             and _filesystem_type(after) not in MEMORY_FILESYSTEMS | {None})
+    return h.hexdigest(), after if clean else None
+
+
+def _remembered(entry, st: os.stat_result) -> bool:
+    """Whether a remembered digest holds for the file now. Entries of versions that did not write
+    a file back before hashing it (no "written_back") are hashed again."""
+    return isinstance(entry, dict) and entry.get("written_back") is True and entry.get("identity") == _file_identity(st)
 
 
 def _memo_path(model_dir: Path) -> Path:
@@ -74,14 +129,17 @@ def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tup
         memo = {}
     started = time.time_ns()
     stats = {p.name: os.stat(p) for p in files}
-    fresh = {n for n, st in stats.items() if rehash or memo.get(n, {}).get("identity") != _file_identity(st)}
+    fresh = {n for n, st in stats.items() if rehash or not _remembered(memo.get(n), st)}
     hashed = {}
     if fresh:
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             hashed = dict(zip(sorted(fresh), pool.map(_hash_file, [model_dir / n for n in sorted(fresh)])))
-    for n in fresh:
-        memo[n] = {"identity": _file_identity(stats[n]), "sha256": hashed[n]}
-    settled = {n for n, st in stats.items() if max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_WINDOW_NS}
+    settled = {n for n, st in stats.items() if n not in fresh}  # remembered, and still untouched
+    for n, (digest, clean) in hashed.items():
+        stats[n] = clean or stats[n]  # the identity the digest is valid for, when there is one
+        memo[n] = {"identity": _file_identity(stats[n]), "sha256": digest, "written_back": True}
+        if clean is not None and max(clean.st_mtime_ns, clean.st_ctime_ns) < started - RACY_WINDOW_NS:
+            settled.add(n)
     if fresh:
         _atomic_write_json(memo_file, {n: memo[n] for n in stats if n in settled})
     h = hashlib.sha256()

@@ -21,10 +21,20 @@ from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.core.config import EngineConfig, Ranks
-from wcache.errors import PreloadConfigError, SeedConfigError, UnsupportedQuantForIPCError
+from wcache.core.device import device_identity
 from wcache.daemon import prewarm
 from wcache.daemon.seed import preload_seed_settings
-from wcache.wire.sockets import prepare_socket_dir
+from wcache.errors import (
+    PreloadConfigError,
+    SeedConfigError,
+    UnsupportedQuantForIPCError,
+)
+from wcache.wire.sockets import (
+    DaemonLock,
+    claim_socket,
+    prepare_socket_dir,
+    socket_path_for,
+)
 
 log = logging.getLogger("wcache.preload")
 
@@ -82,20 +92,47 @@ def _group_spec(spec: dict, group: dict, seed) -> dict:
     return {**spec, **group, "seed": seed}
 
 
+def claim_rank_sockets(socket_dir, device: str, planned: list[Ranks], groups: list[dict]) -> list[DaemonLock]:
+    """The lock of every rank this launcher will start, in the order the ranks start, taken before
+    any rank exists: a second `wcache preload` for a device stops here, in well under a second of its
+    own work, having started no interpreter, read no weight and written no record."""
+    d = prepare_socket_dir(socket_dir, create=True)
+    locks: list[DaemonLock] = []
+    try:
+        for group in groups:
+            for r in planned:
+                locks.append(claim_socket(socket_path_for(d, device_identity(device, r.local_rank), group.get("draft", False))))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
 class RankProcess:
-    def __init__(self, ranks: Ranks, spec: dict):
+    def __init__(self, ranks: Ranks, spec: dict, lock: DaemonLock):
         self.ranks = ranks
         self.label = f"draft:{ranks.global_rank}" if spec.get("draft") else ranks.global_rank
-        spec = {**spec, "ranks": asdict(ranks)}
+        spec = {**spec, "ranks": asdict(ranks), "parent_pid": os.getpid()}
+        # The rank gets the lock's open file (and with it the flock) and learns who its parent is, so
+        # that it can die with it (lifeline.py). This process keeps no copy of the lock: a rank that
+        # dies releases its device at once, while the launcher still runs.
         waiting = prewarm.take()
-        if waiting is not None:  # the interpreter started before the launcher's own imports
-            waiting.hand({**spec, "ready_fd": waiting.ready_w, "spawned_at": waiting.spawned_at})
-            self.proc, r = waiting.proc, waiting.ready_r
-        else:
-            r, w = os.pipe()
-            env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ready_fd": w, "spawned_at": time.monotonic()}))
-            self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env, pass_fds=(w,))
-            os.close(w)
+        try:
+            if waiting is not None:  # the interpreter started before the launcher's own imports
+                waiting.hand({**spec, "ready_fd": waiting.ready_w, "spawned_at": waiting.spawned_at}, lock.fd)
+                self.proc, r = waiting.proc, waiting.ready_r
+            else:
+                r, w = os.pipe()
+                env = dict(os.environ, WCACHE_RANK_SPEC=json.dumps({**spec, "ready_fd": w, "lock_fd": lock.fd,
+                                                                    "spawned_at": time.monotonic()}))
+                try:
+                    self.proc = subprocess.Popen([sys.executable, "-m", "wcache.daemon.rank"], env=env,
+                                                 pass_fds=(w, lock.fd))
+                finally:
+                    os.close(w)
+        finally:
+            lock.release()
         self.ready_pipe = os.fdopen(r, "r")
         self.info: dict | None = None
 
@@ -109,7 +146,16 @@ def run_preload(args) -> int:
         raise UnsupportedQuantForIPCError(cfg.quant.name)
     plan = plan_local_ranks(args, cfg)
     log.info("Daemon plan: %s", plan.describe())
-    prepare_socket_dir(args.weight_cache_socket_dir, create=True)
+    planned = plan.layout.local_ranks()
+    locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups)
+    try:
+        return _run_ranks(args, cfg, plan, planned, locks)
+    finally:
+        for lock in locks:
+            lock.release()  # those not handed to a rank: an error before every rank started
+
+
+def _run_ranks(args, cfg, plan, planned, locks) -> int:
     seeding = preload_seed_settings(args)
 
     stop = threading.Event()
@@ -128,13 +174,13 @@ def run_preload(args) -> int:
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"])
-    planned = plan.layout.local_ranks()
     seeds = seeding["seeds"]
     if seeds is not None and len(seeds) != len(planned):
         raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
-    ranks = [RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None))
-             for group in plan.groups for i, r in enumerate(planned)]
+    ranks = []
     try:
+        for lock, (group, i, r) in zip(locks, [(g, i, r) for g in plan.groups for i, r in enumerate(planned)]):
+            ranks.append(RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None), lock))
         code = _await_ready(ranks, stop)
         if code is not None:
             return code

@@ -4,9 +4,10 @@ Started by the launcher as a fresh interpreter (``python -m wcache.daemon.rank``
 after torch has run a parallel op can deadlock the child. The launcher passes a JSON spec in the
 environment and a pipe descriptor on which the rank reports, as one JSON line, that it serves.
 
-Order matters and mirrors upstream: load and post-process, pack, free the transients, and only
-then take the lock and bind the socket, so an engine never sees a socket of a daemon that is not
-ready. Connections are served on threads; every request is bounded in size, shape and total time
+Order matters. The lock comes first (the launcher takes it before starting the rank): a second
+daemon for the device stops before it reads a weight, writes a record or touches the device. Then,
+as upstream: load and post-process, pack, free the transients, and only then bind the socket, so an
+engine never sees a socket of a daemon that is not ready. Connections are served on threads; every request is bounded in size, shape and total time
 (protocol.recv_frame), all requests together in bytes held (FrameBudget), every connection to one
 unread answer carrying a descriptor, and the daemon's descriptor table so that clients can never
 fill it (fd_reserve). A bad frame gets an error reply and a closed connection while the daemon
@@ -15,6 +16,7 @@ keeps serving others.
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import json
@@ -33,6 +35,7 @@ import torch
 from wcache.core import autotune
 from wcache import logs
 from wcache.daemon import arena_record, seed
+from wcache.daemon.lifeline import die_with_parent
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
@@ -40,7 +43,7 @@ from wcache.errors import (
     DAEMON_ERRORS,
     REASONS,
     AutotuneFailedError,
-    DaemonLockError,
+    STALE_SOCKET_REMOVED,
     UnsupportedQuantForIPCError,
     UserError,
 )
@@ -63,8 +66,9 @@ from wcache.core.distributed import exit_after_collectives
 from wcache.wire.sockets import (
     MAX_SOCKET_PATH,
     DaemonLock,
-    answers,
     bind_private_socket,
+    claim_socket,
+    clear_stale_socket,
     peer_cred,
     prepare_socket_dir,
     socket_path_for,
@@ -103,6 +107,7 @@ CLIENT_FAILED_LOG = "Connection from pid %d failed; closed it"
 CLIENT_IO_LOG = "Connection from pid %d closed: %s"
 ACCEPT_FAILED_LOG = "Cannot accept connections (%s); pausing %.2f s (%d such errors in the last %.0f s)"
 UNREAD_LOG = "Closed the connection of pid %d: it has not read the answer carrying a descriptor (%d bytes unread)"
+STOPPED_STARTING = "Rank %d stopped by %s while starting"
 CLIENT_LIMIT_LOG = "Serving at most %d connections at once: the descriptor limit is %d"
 
 
@@ -222,21 +227,23 @@ class RankDaemon:
         d = prepare_socket_dir(self.spec.get("socket_dir"), create=True)
         return socket_path_for(d, self.device_id, self.spec.get("draft", False))
 
-    def bind(self) -> socket.socket:
+    def claim(self) -> None:
+        """Take this rank's lock (or confirm the one the launcher took for it) before anything
+        else: a second daemon for the device stops here, having read no weights, written no
+        record, tuned nothing and allocated nothing on the device."""
         path = self.socket_path
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise UserError(SOCKET_PATH_TOO_LONG.format(path=path, n=len(os.fsencode(path)), max=MAX_SOCKET_PATH))
         self.path = path
-        self.flock = DaemonLock(path)
-        self.flock.acquire()
-        if os.path.lexists(path):
-            # We own the lock, so whatever is here should belong to a daemon that died. But a lock
-            # file can be removed under a live daemon (a tmp cleaner): a live one answers.
-            if answers(path):
-                self.flock.release()
-                raise DaemonLockError(path, DaemonLockError.LIVE_SOCKET)
-            log.warning("Removing stale socket %s left by a previous daemon", path)
-            os.unlink(path)
+        fd = self.spec.get("lock_fd")
+        self.flock = claim_socket(path, DaemonLock.inherited(path, fd) if fd is not None else None)
+
+    def bind(self) -> socket.socket:
+        """Bind the socket, once ready to serve. The lock is ours since claim(); a file that
+        appeared at the path since then is removed only if it is provably stale."""
+        path = self.path
+        if clear_stale_socket(path):
+            log.warning(STALE_SOCKET_REMOVED.format(path=path))
         sock = bind_private_socket(path)
         os.chmod(path, 0o600)
         self.inode = os.lstat(path).st_ino
@@ -324,7 +331,10 @@ class RankDaemon:
                     log.warning(UNREAD_LOG, pid, unread)
                     self._refuse(conn, "unread", DAEMON_ERRORS["unread"], drain_input=True)
                     return
-                send_frame(conn, answer, fds)
+                if not fds:
+                    send_frame(conn, answer)
+                elif not self._send_descriptors(conn, cid, pid, op, answer, fds):
+                    continue
                 if isinstance(answer, dict) and not answer["ok"]:
                     log.warning(REFUSED_LOG, op, pid, answer["error"], answer["message"])
                     if answer["error"] == "protocol":
@@ -345,6 +355,23 @@ class RankDaemon:
                 self.leases.discard(cid)
             conn.close()
             self.clients.release()
+
+    def _send_descriptors(self, conn: socket.socket, cid: int, pid: int, op: str, answer, fds: list[int]) -> bool:
+        """Send an answer that carries the arena's descriptors; False when the kernel refused to pass
+        them for this user (ETOOMANYREFS). The engine then gets a refusal that names the cause, and
+        this connection, like every other, stays served."""
+        try:
+            send_frame(conn, answer, fds)
+            return True
+        except OSError as e:
+            if e.errno != errno.ETOOMANYREFS:
+                raise
+        with self.lock:
+            self.leases.discard(cid)  # it never got the mapping
+        message = DAEMON_ERRORS["fds_in_flight"].format(uid=os.getuid(), limit=_fd_limit())
+        log.warning(REFUSED_LOG, op, pid, "fds_in_flight", message)
+        send_frame(conn, reply(False, error="fds_in_flight", message=message))
+        return False
 
     def _handle(self, cid: int, req: dict) -> tuple[dict, list[int]]:
         handler = self.HANDLERS.get(req.get("op")) if isinstance(req.get("op"), str) else None
@@ -449,6 +476,11 @@ def client_limit() -> int:
     return n
 
 
+def _fd_limit() -> int:
+    """This process's RLIMIT_NOFILE: the kernel's bound on its user's descriptors in flight."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def _peer_pid(conn: socket.socket) -> int:
     try:
         return peer_cred(conn)[0]
@@ -484,13 +516,24 @@ def main() -> int:
     ready = os.fdopen(spec["ready_fd"], "w")
     daemon = RankDaemon(spec)
     MARKS["init"] = time.monotonic()
-    if daemon.cfg.device == "cuda":  # its own step: otherwise the first CUDA call pays it inside another
-        torch.empty(1, device=daemon.cfg.torch_device)
-        torch.cuda.synchronize(daemon.cfg.torch_device)
-    MARKS["cuda_context"] = time.monotonic()
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: daemon.stop.set())
+    serving = threading.Event()
+
+    def on_stop(signum, _frame):
+        daemon.stop.set()
+        if not serving.is_set():  # still starting: nothing bound or handed out, so leave at once
+            log.info(STOPPED_STARTING, daemon.rank, signal.Signals(signum).name)
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    if spec.get("parent_pid") is not None:
+        die_with_parent(spec["parent_pid"])
     try:
+        daemon.claim()  # lock first: nothing below runs for a device another daemon owns
+        if daemon.cfg.device == "cuda":  # its own step: otherwise the first CUDA call pays it inside another
+            torch.empty(1, device=daemon.cfg.torch_device)
+            torch.cuda.synchronize(daemon.cfg.torch_device)
+        MARKS["cuda_context"] = time.monotonic()
         daemon.load()
         MARKS["loaded"] = time.monotonic()
         daemon.autotune_pass()
@@ -503,6 +546,7 @@ def main() -> int:
     ready.write(json.dumps({"rank": daemon.rank, "socket": str(daemon.path), "device_id": daemon.device_id,
                             "weights_bytes": daemon.weights_bytes}) + "\n")
     ready.close()
+    serving.set()
     log.info("Rank %d serving on %s", daemon.rank, daemon.path)
     log.info(START_PHASES.format(rank=daemon.rank, phases=json.dumps(start_phases(spec))))
     try:

@@ -6,8 +6,9 @@ address: then by a short digest of the name (``socket_path_for``), so neither TM
 device identity (a GPU UUID is 40 bytes) can keep a daemon from binding.
 Symlinked or foreign-owned directories and sockets are refused on both sides; the default
 directory is also refused when group or world can enter it. The daemon holds an exclusive flock
-on ``<socket>.lock`` for its lifetime, so a second daemon for the same device fails fast and a
-crashed daemon's stale socket is replaced by the next owner of the lock.
+on ``<socket>.lock`` for its lifetime, taken before anything else it does, so a second daemon for
+the same device fails fast and a crashed daemon's stale socket is replaced by the next owner of the
+lock (only a socket that refuses connections counts as stale: see clear_stale_socket).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import socket
 import stat
@@ -22,7 +24,9 @@ import struct
 import tempfile
 from pathlib import Path
 
-from wcache.errors import DaemonLockError, SocketSecurityError
+from wcache.errors import STALE_SOCKET_REMOVED, DaemonLockError, SocketSecurityError
+
+log = logging.getLogger("wcache.daemon")
 
 SOCKET_PREFIX = "wcache_weight_cache_"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
@@ -130,22 +134,79 @@ class DaemonLock:
             raise DaemonLockError(str(socket_path_of(self.path))) from None
         self.fd = fd
 
+    @classmethod
+    def inherited(cls, socket_path: Path, fd: int) -> DaemonLock:
+        """The lock a launcher took for this rank and passed down as descriptor ``fd`` (the same
+        open file, so the flock is already ours; taking it again on it only confirms that)."""
+        lock = cls(socket_path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DaemonLockError(str(socket_path)) from None
+        os.set_inheritable(fd, False)
+        lock.fd = fd
+        return lock
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
-def answers(path: Path, timeout: float = 1.0) -> bool:
-    """Whether a process accepts connections on the Unix socket at ``path`` (a live daemon does;
-    a dead one's socket refuses)."""
+# The only connect outcomes that prove no process serves a socket: nobody listens on the file
+# (ECONNREFUSED), or it is gone (ENOENT). A full listen backlog (EAGAIN), a timeout or anything
+# else is a process that is stopped, swamped or slow, and its socket is not ours to remove.
+STALE_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOENT})
+
+
+def connect_error(path: Path, timeout: float = 1.0) -> OSError | None:
+    """What connecting to the Unix socket at ``path`` raised, or None when a process accepted."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         try:
             s.connect(str(path))
-        except OSError:
-            return False
-        return True
+        except OSError as e:  # TimeoutError is an OSError without an errno
+            return e
+        return None
+
+
+def clear_stale_socket(path: Path) -> bool:
+    """Remove the socket file at ``path`` if it is provably stale; True when one was removed.
+
+    Called only by the holder of the socket's lock: whatever is there should be a dead daemon's.
+    But a lock file can be removed under a live daemon (a tmp cleaner, a process of the user), so
+    the file is removed only when connecting to it is refused or finds nothing; any other outcome
+    raises DaemonLockError and leaves both the socket and whoever serves it alone."""
+    if not os.path.lexists(path):
+        return False
+    error = connect_error(path)
+    if error is None:
+        raise DaemonLockError(path, DaemonLockError.LIVE_SOCKET)
+    if error.errno not in STALE_ERRNOS:
+        reason = os.strerror(error.errno) if error.errno else (str(error) or type(error).__name__)
+        raise DaemonLockError(path, DaemonLockError.UNSURE_SOCKET, error=reason)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def claim_socket(path: Path, lock: DaemonLock | None = None) -> DaemonLock:
+    """The lock of the socket at ``path`` (taken now unless ``lock`` already holds it), with any
+    stale socket file of a dead daemon removed. Nothing else is done before this: a daemon that
+    does not own its device stops here, before it reads weights or writes a record."""
+    if lock is None:
+        lock = DaemonLock(path)
+        lock.acquire()
+    try:
+        if clear_stale_socket(path):
+            log.warning(STALE_SOCKET_REMOVED.format(path=path))
+    except DaemonLockError:
+        lock.release()
+        raise
+    return lock
 
 
 def socket_path_of(lock_path: Path) -> Path:

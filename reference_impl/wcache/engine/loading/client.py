@@ -101,4 +101,6 @@ def refusal(answer: dict, path: Path) -> CacheUnusable:
         return CacheUnusable("rejected", uid=os.getuid())  # the uid the daemon saw, outside user namespaces
     if kind == "busy":
         return CacheUnusable("busy", path=path, detail=answer.get("message"))
+    if kind == "fds_in_flight":
+        return CacheUnusable("fds_in_flight", path=path, detail=answer.get("message"))
     return CacheUnusable("protocol", detail=f"{kind}: {answer.get('message')}")
