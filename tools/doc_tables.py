@@ -12,7 +12,9 @@ runs the check, so a table can only change together with the code or the JSON it
 
 Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
-field, from ``wcache.core.llama_config.REFUSED``) and the benchmark tables of ``tools/plot_bench.py``.
+field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
+``serve-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
+``openai_api`` / ``http_front``) and the benchmark tables of ``tools/plot_bench.py``.
 """
 
 from __future__ import annotations
@@ -141,7 +143,65 @@ def checkpoint_refusals() -> str:
     return "\n".join(out)
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def serve_endpoints() -> str:
+    """Every route of the engine's HTTP API (wcache.engine.server.ROUTES)."""
+    from wcache.engine.server import ROUTES
+
+    out = ["| Request | Answer |", "| --- | --- |"]
+    out += [f"| `{method} {path}` | {_cell(answer)} |" for (method, path), answer in ROUTES.items()]
+    return "\n".join(out)
+
+
+def serve_fields() -> str:
+    """Every field of a completion request, supported or refused (wcache.engine.openai_api.COMPLETION_FIELDS)."""
+    import json
+
+    from wcache.engine.openai_api import COMPLETION_FIELDS
+
+    out = ["| Field | Served | Value, or why it is refused |", "| --- | --- | --- |"]
+    for name, f in COMPLETION_FIELDS.items():
+        if f.supported:
+            out.append(f"| `{name}` | yes | {_cell(f.what)} |")
+        else:
+            neutral = " or ".join(f"`{json.dumps(v)}`" for v in f.neutral)
+            out.append(f"| `{name}` | refused unless {neutral} | {_cell(f.what)} |")
+    return "\n".join(out)
+
+
+def serve_refusals() -> str:
+    """Every refusal of the HTTP API: status, vLLM's error type, message (wcache.engine.server.REFUSALS)."""
+    from wcache.engine.openai_api import error_type
+    from wcache.engine.server import REFUSALS
+
+    out = ["| Status | `type` | Message | When |", "| --- | --- | --- | --- |"]
+    out += [f"| {status} | `{error_type(status)}` | `{_cell(message)}` | {_cell(when)} |"
+            for status, message, when in REFUSALS]
+    return "\n".join(out)
+
+
+def http_limits() -> str:
+    """The HTTP front door's limits with their defaults (wcache.engine.http_front.Limits)."""
+    from dataclasses import fields
+
+    from wcache.engine.http_front import DEFAULT_LIMITS, LIMIT_DOCS
+
+    out = ["| Limit | Default | What it bounds |", "| --- | --- | --- |"]
+    for f in fields(DEFAULT_LIMITS):
+        value = getattr(DEFAULT_LIMITS, f.name)
+        shown = f"{value:g} s" if f.name.endswith("_s") else str(value)
+        out.append(f"| `{f.name}` | {shown} | {_cell(LIMIT_DOCS[f.name])} |")
+    return "\n".join(out)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "serve-endpoints": serve_endpoints,
+    "serve-fields": serve_fields,
+    "serve-refusals": serve_refusals,
+    "http-limits": http_limits,
     "preload-flags": preload_flags,
     "serve-flags": serve_flags,
     "checkpoint-refusals": checkpoint_refusals,

@@ -9,9 +9,11 @@
   read two ways, the root of request smuggling); a body the route does not read closes the
   connection after the answer instead of being parsed as the next request.
 - **Bounded connections:** at most ``max_connections`` are served at once, a thread each. When
-  they are all taken, a new connection first makes room: the longest-idle keep-alive connection
-  (waiting for its next request) is closed, else the oldest one still sending its request line and
-  headers after ``head_grace_s`` (a client sends those in one go; slow ones are the attack).
+  they are all taken, a new connection first makes room: the longest-idle connection (a keep-alive
+  one waiting for its next request, or one that never sent a byte) is closed, else the one that
+  has been sending its request line and headers the longest; either only once it has been so for
+  ``head_grace_s`` (a client sends its head in one go, so a slow one is the attack, and a connection
+  just accepted is not taken for an idle one).
   Only when every connection is working on a request does the newcomer get a 503 at once.
 - **Idle keep-alive connections** are closed after ``idle_timeout_s`` (5 s, uvicorn's default,
   which vLLM's server runs on).
@@ -49,12 +51,21 @@ class Limits:
     request_deadline_s: float = 30.0  # the whole request, from its first byte
     read_timeout_s: float = 10.0  # each read
     idle_timeout_s: float = 5.0  # a keep-alive connection waiting for its next request
-    head_grace_s: float = 1.0  # request line + headers still arriving after this: closed to make room
+    head_grace_s: float = 1.0  # idle, or request line + headers still arriving, this long: closed to make room
     max_connections: int = 64  # served at once (each is a thread)
     write_timeout_s: float = 30.0  # each write of an answer (a client that stops reading a stream)
 
 
 DEFAULT_LIMITS = Limits()
+LIMIT_DOCS = {  # docs/serve-reference.md's limit table is generated from these and the defaults
+    "request_deadline_s": "a whole request from its first byte: request line, headers and body; then a 408",
+    "read_timeout_s": "each wait for more bytes of a request; then a 408",
+    "idle_timeout_s": "a keep-alive connection waiting for its next request; then it is closed",
+    "head_grace_s": "when every connection is taken, one idle (or still sending its head) this long is closed "
+                    "for the newcomer",
+    "max_connections": "connections served at once, a thread each; past it, and with none to close, a 503",
+    "write_timeout_s": "each write of an answer, a stream's included (a client that stops reading)",
+}
 
 
 class DeadlinePassed(TimeoutError):
@@ -149,13 +160,12 @@ class Connections:
         """Close the longest-idle connection, else the oldest slow head; False if none qualifies."""
         now = time.monotonic()
         with self._lock:
-            idle = [(since, s) for s, (st, since) in self._state.items() if st == IDLE]
-            slow = [(since, s) for s, (st, since) in self._state.items()
-                    if st == HEAD and now - since >= self.limits.head_grace_s]
-            pick = min(idle or slow, default=None, key=lambda x: x[0])
+            old = [(st != IDLE, since, s) for s, (st, since) in self._state.items()
+                   if st != BUSY and now - since >= self.limits.head_grace_s]
+            pick = min(old, default=None, key=lambda x: x[:2])  # idle ones first, then the longest waiting
             if pick is None:
                 return False
-            victim = pick[1]
+            victim = pick[2]
             self._state.pop(victim, None)
         try:
             victim.shutdown(socket.SHUT_RDWR)  # its thread's recv returns at once; the thread frees its slot
@@ -198,8 +208,7 @@ class FrontDoorServer(ThreadingHTTPServer):
         if not self.connections.acquire():
             try:
                 request.settimeout(1.0)
-                body = json.dumps(error_body(503, BUSY_MESSAGE.format(max=self.limits.max_connections),
-                                             kind="server_busy")).encode()
+                body = json.dumps(error_body(503, BUSY_MESSAGE.format(max=self.limits.max_connections))).encode()
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             except OSError:
@@ -270,8 +279,7 @@ class FrontDoorHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             try:
                 self.send_json(408, error_body(408, TIMED_OUT.format(deadline=self.limits.request_deadline_s,
-                                                                      read=self.limits.read_timeout_s),
-                                               kind="RequestTimeout"))
+                                                                      read=self.limits.read_timeout_s)))
             except OSError:
                 pass
         finally:

@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from wcache.engine.sampling import SamplingParams
 from wcache.model import tokenizer
@@ -79,8 +80,6 @@ COMPLETION_FIELDS: dict[str, Field] = {
 class ApiError(Exception):
     """A refusal with vLLM's error shape: status, message, type, and the field it is about."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError"}
-
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
@@ -89,9 +88,13 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
-def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind or ApiError.TYPES.get(status, "BadRequestError"),
-                      "param": param, "code": status}}
+def error_type(status: int) -> str:
+    """vLLM's ``type``: the status's name as an exception class (BadRequestError, NotFoundError)."""
+    return HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 
+from wcache.engine import http_front
 from wcache.engine import openai_api as api
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
@@ -42,7 +43,33 @@ BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
 TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
 LOADING = "The engine is still loading its weights"
 NO_ROUTE = "No route for {method} {path}"
-ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
+# Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
+ROUTES = {
+    ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
+    ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
+                           "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
+    ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
+                                 "with `\"stream\": true`, server-sent events",
+    ("POST", "/v1/chat/completions"): "400: the byte-level tokenizer has no chat template (vLLM's answer for such a "
+                                      "model); an unknown `model` is a 404 first",
+}
+# Every refusal the routes and the front door give: (status, message, when); the type is the status's.
+REFUSALS = [
+    (400, api.UNKNOWN_FIELD, "a field the table above does not list"),
+    (400, api.REFUSED_FIELD, "a refused field with anything but its neutral value"),
+    (404, api.MODEL_NOT_FOUND, "`model` is not the served model's name"),
+    (400, api.NO_CHAT_TEMPLATE, "any `POST /v1/chat/completions`"),
+    (400, api.NOT_JSON, "the body is not JSON (bad UTF-8, a lone surrogate, nesting too deep)"),
+    (400, http_front.BOTH_FRAMINGS, "`Transfer-Encoding` and `Content-Length` together"),
+    (400, http_front.MANY_LENGTHS, "two `Content-Length` headers, or a list of lengths"),
+    (400, BAD_LENGTH, "a length with a sign, spaces or more than 12 digits"),
+    (411, NO_LENGTH, "a POST without `Content-Length` (chunked bodies are not read)"),
+    (413, TOO_LARGE, "a body over 1 MiB"),
+    (408, http_front.TIMED_OUT, "the request line, headers and body did not all arrive in time"),
+    (503, BUSY_MESSAGE, "every connection is working on a request (idle ones are closed first)"),
+    (503, LOADING, "a request before the weights are loaded"),
+    (404, NO_ROUTE, "any other method or path"),
+]
 
 __all__ = ["EngineServer", "run_until_signal", "BUSY_MESSAGE", "Limits"]
 
