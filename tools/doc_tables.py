@@ -197,7 +197,15 @@ def http_limits() -> str:
     return "\n".join(out)
 
 
+def http_streaming() -> str:
+    """Concurrent streaming clients on the tiny preset (records of ``python -m wcache.bench_http``)."""
+    from wcache import bench_http
+
+    return bench_http.table(plot_bench.BENCH_DIR)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "http-streaming": http_streaming,
     "serve-endpoints": serve_endpoints,
     "serve-fields": serve_fields,
     "serve-refusals": serve_refusals,
