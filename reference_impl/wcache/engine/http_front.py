@@ -35,16 +35,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.engine.openai_api import error_body
-from wcache.errors import ServeAddressError
+from wcache.errors import BOTH_FRAMINGS, BUSY_MESSAGE, MANY_LENGTHS, TIMED_OUT, ServeAddressError
 
 log = logging.getLogger("wcache.server")
-
-BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
-TIMED_OUT = ("The request did not arrive in time: {deadline:g} s from its first byte for the request line, "
-             "headers and body, at most {read:g} s between reads")
-BOTH_FRAMINGS = "A request must not carry both Transfer-Encoding and Content-Length (RFC 9112, section 6.1)"
-MANY_LENGTHS = "A request must carry at most one Content-Length header (RFC 9112, section 6.3)"
-
 
 @dataclass(frozen=True)
 class Limits:

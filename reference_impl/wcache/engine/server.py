@@ -25,6 +25,7 @@ import time
 
 from wcache.engine import http_front
 from wcache.engine import openai_api as api
+from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
 log = logging.getLogger("wcache.server")
@@ -38,11 +39,6 @@ BODY_DEADLINE_S = REQUEST_DEADLINE_S = DEFAULT_LIMITS.request_deadline_s  # the 
 MAX_CONNECTIONS = DEFAULT_LIMITS.max_connections  # connections served at once (each is a thread)
 _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit numbers
 
-NO_LENGTH = "A Content-Length header is required"
-BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
-TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
-LOADING = "The engine is still loading its weights"
-NO_ROUTE = "No route for {method} {path}"
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
     ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
