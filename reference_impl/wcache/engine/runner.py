@@ -14,8 +14,10 @@ The computation is SPMD: engine rank 0 serves HTTP (engine.py) and, for each req
 small int64 header and the prompt's token ids; every rank then runs the same decoding loop.
 Tensor-parallel ranks all-reduce the two row-parallel projections of every layer
 (``Llama.set_all_reduce``); pipeline stages hand hidden states to the next stage with send/recv;
-the last stage broadcasts the logits, so every rank takes the same greedy decision. Nothing but
-tensors crosses between ranks (no pickle).
+the last stage broadcasts the logits, so every rank takes the same decision: greedy, or the same
+seeded draw (sampling.py; the settings travel in the request header). Where rank 0 may end a
+sequence early (a stop string, a streaming client gone) it tells the others after every token.
+Nothing but tensors crosses between ranks (no pickle).
 
 With ``--speculative-config`` every rank also holds its shard of a draft model (from the draft
 daemon group's ``_draft`` sockets when the method is cached); decoding is then greedy
