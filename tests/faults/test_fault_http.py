@@ -318,3 +318,16 @@ def test_65_idle_connections_against_wcache_serve_do_not_starve_a_client(engine)
             s.close()
     figure("idle HTTP connections", connections=n, legit_requests=10, legit_served=results.count(200),
            legit_total_s=seconds, all_closed_within_s=idle_closed_s)
+
+
+# -- 4. a listening socket handed in (a supervisor that owns the port) ---------------------------------
+def test_a_server_serves_on_a_listening_socket_it_is_handed():
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = EngineServer(("127.0.0.1", 0), None, "m", sock=listener)
+    server.ready = True
+    try:
+        assert server.server_address == listener.getsockname()
+        assert status_of(listener.getsockname()[1]) == 200
+    finally:
+        stop(server)
+    assert listener.fileno() == -1  # the server closed what it was handed

@@ -138,6 +138,21 @@ def test_unknown_routes_get_404(engine, method, path):
     assert_still_serving(engine)
 
 
+def test_an_http_1_0_client_gets_its_stream_unchunked_until_the_close(engine):
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, events = data.partition(b"\r\n\r\n")
+    assert b"text/event-stream" in head and b"Transfer-Encoding" not in head
+    lines = [e for e in events.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in lines) and lines[-1] == b"data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in lines[:-1])
+    assert text == complete(engine.port, "Hello", 4)["choices"][0]["text"]
+
+
 def test_sigterm_stops_serve_with_exit_0(engine):
     """Runs last in this module: it stops the module's engine."""
     assert engine.stop(signal.SIGTERM) == 0

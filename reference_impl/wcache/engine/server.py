@@ -179,10 +179,15 @@ class _Handler(FrontDoorHandler):
             except BaseException as e:  # reported below, on the request's thread
                 pieces.put(("error", e))
 
+        self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
         threading.Thread(target=run, name="wcache-stream", daemon=True).start()
         while True:
@@ -198,7 +203,7 @@ class _Handler(FrontDoorHandler):
             if req.include_usage:
                 self._event(api.usage_chunk(cid, created, model, item), gone)
             self._event(api.DONE, gone)
-            if not gone.is_set():
+            if not gone.is_set() and self.chunked:
                 try:
                     self.wfile.write(b"0\r\n\r\n")
                 except OSError:
@@ -212,7 +217,7 @@ class _Handler(FrontDoorHandler):
             return
         data = api.sse(payload)
         try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))  # one HTTP/1.1 chunk per event
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)  # a chunk per event
         except OSError:
             gone.set()
 
