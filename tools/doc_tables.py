@@ -197,11 +197,24 @@ def http_limits() -> str:
     return "\n".join(out)
 
 
-def http_streaming() -> str:
-    """Concurrent streaming clients on the tiny preset (records of ``python -m wcache.bench_http``)."""
-    from wcache import bench_http
+def streaming_records(bench_dir: Path = plot_bench.BENCH_DIR) -> list[tuple[Path, dict]]:
+    """``python -m wcache.bench_http`` records (concurrent streaming clients), in file-name order."""
+    from wcache.bench_http import RECORD_KEY
 
-    return bench_http.table(plot_bench.BENCH_DIR)
+    return plot_bench._records(RECORD_KEY, bench_dir)
+
+
+def http_streaming(bench_dir: Path = plot_bench.BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """docs/benchmarks.md's streaming table: one row per published record."""
+    rows = ["| Clients | Tokens each | Complete | Refused | First token p50 | First token p99 | Request p99 | "
+            "All done | Machine | Record |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path, d in streaming_records(bench_dir):
+        t, r = d["ttft_s"], d["request_s"]
+        machine = f"{d.get('cpu_model', d['machine'])}, {d['cpu_count']} CPUs, torch {d['torch']}"
+        rows.append(f"| {d['streaming_clients']} | {d['max_tokens']} | {d['completed']} | {d['refused']} | "
+                    f"{t['p50']:.2f} s | {t['p99']:.2f} s | {r['p99']:.2f} s | {d['wall_s']:.2f} s | {machine} | "
+                    f"[{d['date'][:10]}]({link_prefix}{path.name}) |")
+    return "\n".join(rows)
 
 
 GENERATORS: dict[str, Callable[[], str]] = {

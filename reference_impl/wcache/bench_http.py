@@ -6,7 +6,8 @@ free loopback port, asks once for the plain greedy completion, then starts ``--c
 requests at the same instant (one thread and connection each, raw HTTP so nothing but the socket
 sits between the clock and the bytes) and checks that every stream ends with ``data: [DONE]`` and
 that its pieces join to the plain completion. The record (JSON) carries the date, the machine and
-torch; docs/benchmarks.md's streaming table is generated from the records in docs/benchmarks/.
+torch; docs/benchmarks.md's streaming table is generated from the records in docs/benchmarks/
+(tools/doc_tables.py).
 
 The engine decodes one sequence at a time, so the n-th client's first token waits for the n-1
 completions before it: time to first token grows with the queue, and the p99 says by how much.
@@ -105,6 +106,7 @@ def stream_once(port: int, max_tokens: int, go: threading.Barrier) -> dict:
 
 def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
     from wcache.bench import environment
+    from wcache.core.autotune import cpu_name
 
     port = free_port()
     proc = start_engine(model, port, workdir / "engine.log")
@@ -136,7 +138,7 @@ def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
     ttfts = [r["ttft_s"] for r in complete if r["ttft_s"] is not None]
     requests = [r["request_s"] for r in complete]
     return {
-        **environment("cpu"), "machine": platform.machine(), "cpu_model": cpu_model(), "model": Path(model).name, RECORD_KEY: clients,
+        **environment("cpu"), "machine": platform.machine(), "cpu_model": cpu_name(), "model": Path(model).name, RECORD_KEY: clients,
         "max_tokens": max_tokens, "completed": len(complete), "refused": sum(1 for r in results if r.get("status") != 200),
         "matching_text": sum(1 for r in complete if r["text"] == want),
         "ttft_s": {"p50": round(statistics.median(ttfts), 4), "p99": round(percentile(ttfts, 99), 4),
@@ -145,39 +147,6 @@ def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
         if requests else None,
         "wall_s": round(wall, 3),
     }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def records(bench_dir: Path) -> list[tuple[Path, dict]]:
-    """The published records of this bench in ``bench_dir``, in file-name order."""
-    out = []
-    for path in sorted(bench_dir.glob("*.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if RECORD_KEY in data:
-            out.append((path, data))
-    return out
-
-
-def table(bench_dir: Path, link_prefix: str = "benchmarks/") -> str:
-    """docs/benchmarks.md's table: one row per published record."""
-    rows = ["| Clients | Tokens each | Complete | Refused | First token p50 | First token p99 | Request p99 | "
-            "All done | Machine | Record |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for path, d in records(bench_dir):
-        t, r = d["ttft_s"], d["request_s"]
-        machine = f"{d.get('cpu_model', d['machine'])}, {d['cpu_count']} CPUs, torch {d['torch']}"
-        rows.append(f"| {d[RECORD_KEY]} | {d['max_tokens']} | {d['completed']} | {d['refused']} | {t['p50']:.2f} s | "
-                    f"{t['p99']:.2f} s | {r['p99']:.2f} s | {d['wall_s']:.2f} s | {machine} | "
-                    f"[{d['date'][:10]}]({link_prefix}{path.name}) |")
-    return "\n".join(rows)
 
 
 def problems(record: dict) -> list[str]:

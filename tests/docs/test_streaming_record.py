@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 
+import doc_tables
 import plot_bench
 from wcache import bench_http
 
 
 def published() -> list[tuple]:
-    return bench_http.records(plot_bench.BENCH_DIR)
+    return doc_tables.streaming_records()
 
 
 def test_a_16_client_record_is_published_and_fit():
@@ -24,7 +25,7 @@ def test_a_16_client_record_is_published_and_fit():
 
 def test_the_page_shows_every_record_with_its_figures():
     page = (plot_bench.BENCH_DIR.parent / "benchmarks.md").read_text(encoding="utf-8")
-    assert bench_http.table(plot_bench.BENCH_DIR) in page
+    assert doc_tables.http_streaming() in page
     for path, d in published():
         row = next(line for line in page.splitlines() if path.name in line)
         assert f"| {d['ttft_s']['p50']:.2f} s | {d['ttft_s']['p99']:.2f} s |" in row

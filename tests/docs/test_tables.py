@@ -267,10 +267,8 @@ def test_benchmark_svg_regenerates_identically_from_the_json():
 
 def test_every_published_record_is_rendered():
     records = sorted(p.name for p in plot_bench.BENCH_DIR.glob("*.json"))
-    from wcache import bench_http
-
     shown = {p.name for p, _ in plot_bench.bench_records()} | {p.name for p, _ in plot_bench.matrix_records()}
-    shown |= {p.name for p, _ in bench_http.records(plot_bench.BENCH_DIR)}
+    shown |= {p.name for p, _ in doc_tables.streaming_records()}
     assert records and set(records) == shown
     logs = plot_bench.gpu_test_logs()
     assert logs and all(log.name in page("validation.md") for log in logs)

@@ -173,21 +173,26 @@ def test_64_slow_header_senders_hold_no_slot_past_the_deadline_and_clients_are_s
            longest_refusal_s=gap)
 
 
+def trickle_headers(port: int, request_line: bytes, every: float) -> tuple[bytes, float]:
+    """Send a request line, then a header line every ``every`` s until the server answers (or 60
+    lines): (the answer, seconds from the first byte)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0 = time.monotonic()
+        s.sendall(request_line)
+        s.settimeout(every)
+        for i in range(60):
+            try:
+                return s.recv(1 << 16), time.monotonic() - t0
+            except TimeoutError:
+                s.sendall(b"X-%d: y\r\n" % i)
+    return b"", time.monotonic() - t0
+
+
 def test_a_request_trickled_in_is_cut_at_its_deadline_from_the_first_byte():
     server = small_server(request_deadline_s=2.0, read_timeout_s=5.0)
     try:
-        with socket.create_connection(("127.0.0.1", server.server_address[1])) as s:
-            t0 = time.monotonic()
-            s.sendall(b"GET /health HTTP/1.1\r\n")
-            s.settimeout(0.4)
-            answer = b""
-            for i in range(30):  # a header line every 0.4 s, each read well within the read timeout
-                try:
-                    answer = s.recv(1 << 16)
-                    break
-                except TimeoutError:
-                    s.sendall(b"X-%d: y\r\n" % i)
-            seconds = time.monotonic() - t0
+        # a header line every 0.4 s, each read well within the read timeout
+        answer, seconds = trickle_headers(server.server_address[1], b"GET /health HTTP/1.1\r\n", every=0.4)
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert TIMED_OUT.format(deadline=2.0, read=5.0).encode() in answer
         assert 2.0 <= seconds <= 3.0, seconds
@@ -198,18 +203,8 @@ def test_a_request_trickled_in_is_cut_at_its_deadline_from_the_first_byte():
 @pytest.mark.slow  # waits out the default deadline (30 s)
 def test_the_default_deadline_is_30_s_against_wcache_serve(engine):
     assert DEFAULT_LIMITS.request_deadline_s == 30.0  # docs/security.md promises it
-    with socket.create_connection(("127.0.0.1", engine.port)) as s:
-        t0 = time.monotonic()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
-        s.settimeout(5.0)
-        answer = b""
-        for i in range(20):  # a header line every 5 s: the issue's attack, one connection of it
-            try:
-                answer = s.recv(1 << 16)
-                break
-            except TimeoutError:
-                s.sendall(b"X-%d: y\r\n" % i)
-        seconds = time.monotonic() - t0
+    # a header line every 5 s: the issue's attack, one connection of it
+    answer, seconds = trickle_headers(engine.port, b"POST /v1/completions HTTP/1.1\r\n", every=5.0)
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert 30.0 <= seconds <= 31.5, seconds
     assert http("GET", f"http://127.0.0.1:{engine.port}/health")[0] == 200
