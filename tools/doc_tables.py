@@ -12,7 +12,9 @@ runs the check, so a table can only change together with the code or the JSON it
 
 Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
-field, from ``wcache.core.llama_config.REFUSED``) and the benchmark tables of ``tools/plot_bench.py``.
+field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
+``serve-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
+``openai_api`` / ``http_front``) and the benchmark tables of ``tools/plot_bench.py``.
 """
 
 from __future__ import annotations
@@ -141,7 +143,86 @@ def checkpoint_refusals() -> str:
     return "\n".join(out)
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def serve_endpoints() -> str:
+    """Every route of the engine's HTTP API (wcache.engine.server.ROUTES)."""
+    from wcache.engine.server import ROUTES
+
+    out = ["| Request | Answer |", "| --- | --- |"]
+    out += [f"| `{method} {path}` | {_cell(answer)} |" for (method, path), answer in ROUTES.items()]
+    return "\n".join(out)
+
+
+def serve_fields() -> str:
+    """Every field of a completion request, supported or refused (wcache.engine.openai_api.COMPLETION_FIELDS)."""
+    import json
+
+    from wcache.engine.openai_api import COMPLETION_FIELDS
+
+    out = ["| Field | Served | Value, or why it is refused |", "| --- | --- | --- |"]
+    for name, f in COMPLETION_FIELDS.items():
+        if f.supported:
+            out.append(f"| `{name}` | yes | {_cell(f.what)} |")
+        else:
+            neutral = " or ".join(f"`{json.dumps(v)}`" for v in f.neutral)
+            out.append(f"| `{name}` | refused unless {neutral} | {_cell(f.what)} |")
+    return "\n".join(out)
+
+
+def serve_refusals() -> str:
+    """Every refusal of the HTTP API: status, vLLM's error type, message (wcache.engine.server.REFUSALS)."""
+    from wcache.engine.openai_api import error_type
+    from wcache.engine.server import REFUSALS
+
+    out = ["| Status | `type` | Message | When |", "| --- | --- | --- | --- |"]
+    out += [f"| {status} | `{error_type(status)}` | `{_cell(message)}` | {_cell(when)} |"
+            for status, message, when in REFUSALS]
+    return "\n".join(out)
+
+
+def http_limits() -> str:
+    """The HTTP front door's limits with their defaults (wcache.engine.http_front.Limits)."""
+    from dataclasses import fields
+
+    from wcache.engine.http_front import DEFAULT_LIMITS, LIMIT_DOCS
+
+    out = ["| Limit | Default | What it bounds |", "| --- | --- | --- |"]
+    for f in fields(DEFAULT_LIMITS):
+        value = getattr(DEFAULT_LIMITS, f.name)
+        shown = f"{value:g} s" if f.name.endswith("_s") else str(value)
+        out.append(f"| `{f.name}` | {shown} | {_cell(LIMIT_DOCS[f.name])} |")
+    return "\n".join(out)
+
+
+def streaming_records(bench_dir: Path = plot_bench.BENCH_DIR) -> list[tuple[Path, dict]]:
+    """``python -m wcache.bench_http`` records (concurrent streaming clients), in file-name order."""
+    from wcache.bench_http import RECORD_KEY
+
+    return plot_bench._records(RECORD_KEY, bench_dir)
+
+
+def http_streaming(bench_dir: Path = plot_bench.BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """docs/benchmarks.md's streaming table: one row per published record."""
+    rows = ["| Clients | Tokens each | Complete | Refused | First token p50 | First token p99 | Request p99 | "
+            "All done | Machine | Record |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path, d in streaming_records(bench_dir):
+        t, r = d["ttft_s"], d["request_s"]
+        machine = f"{d.get('cpu_model', d['machine'])}, {d['cpu_count']} CPUs, torch {d['torch']}"
+        rows.append(f"| {d['streaming_clients']} | {d['max_tokens']} | {d['completed']} | {d['refused']} | "
+                    f"{t['p50']:.2f} s | {t['p99']:.2f} s | {r['p99']:.2f} s | {d['wall_s']:.2f} s | {machine} | "
+                    f"[{d['date'][:10]}]({link_prefix}{path.name}) |")
+    return "\n".join(rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "http-streaming": http_streaming,
+    "serve-endpoints": serve_endpoints,
+    "serve-fields": serve_fields,
+    "serve-refusals": serve_refusals,
+    "http-limits": http_limits,
     "preload-flags": preload_flags,
     "serve-flags": serve_flags,
     "checkpoint-refusals": checkpoint_refusals,

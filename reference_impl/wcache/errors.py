@@ -267,3 +267,40 @@ class UnsupportedCheckpointError(UserError):
     def __init__(self, path, field: str, value: str, why: str, **fields):
         super().__init__(self.TEMPLATE.format(path=path, field=field, value=value,
                                               why=self.WHY[why].format(**fields)))
+
+
+# -- the engine's HTTP API (engine/openai_api.py, engine/http_front.py, engine/server.py) ---------------
+# vLLM's texts (vllm/entrypoints/openai): an unknown model, and a chat request to a model whose
+# tokenizer has no chat template (ours, a byte-level tokenizer, has none).
+MODEL_NOT_FOUND = "The model `{model}` does not exist."
+NO_CHAT_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide "
+                    "a chat template if the tokenizer does not define one.")
+# Ours, each naming the field.
+NOT_JSON = "Request body is not valid JSON: {error}"
+NOT_AN_OBJECT = "Request body must be a JSON object"
+UNKNOWN_FIELD = "Unknown field '{field}': wcache serve does not support it (see the serve reference)"
+REFUSED_FIELD = "'{field}' is not supported by wcache serve: {why}"
+PROMPT_REQUIRED = "'prompt' is required and must be a non-empty string"
+PROMPT_SURROGATE = "'prompt' contains a lone surrogate: it is not valid Unicode text"
+MAX_TOKENS_TYPE = "'max_tokens' must be an integer"
+MAX_TOKENS_RANGE = ("'max_tokens' must be between 1 and {limit} for this prompt (max model length {max_model_len}, "
+                    "prompt {prompt_tokens} tokens)")
+MODEL_TYPE = "'model' must be a string"
+TEMPERATURE = "'temperature' must be a number from 0 to 2, got {value}"
+TOP_P = "'top_p' must be a number in (0, 1], got {value}"
+SEED = "'seed' must be an integer from 0 to 2**63-1, got {value}"
+STOP = "'stop' must be a string or a list of at most 4 non-empty strings"
+STREAM = "'stream' must be true or false"
+STREAM_OPTIONS = "'stream_options' must be an object with 'include_usage' (true or false), and only with 'stream': true"
+SAMPLING_WITH_DRAFT = ("'temperature' must be 0 on this engine: with --speculative-config it decodes greedily "
+                       "(draft then verify)")
+BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
+TIMED_OUT = ("The request did not arrive in time: {deadline:g} s from its first byte for the request line, "
+             "headers and body, at most {read:g} s between reads")
+BOTH_FRAMINGS = "A request must not carry both Transfer-Encoding and Content-Length (RFC 9112, section 6.1)"
+MANY_LENGTHS = "A request must carry at most one Content-Length header (RFC 9112, section 6.3)"
+NO_LENGTH = "A Content-Length header is required"
+BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
+TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
+LOADING = "The engine is still loading its weights"
+NO_ROUTE = "No route for {method} {path}"

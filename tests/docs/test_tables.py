@@ -286,6 +286,7 @@ def test_the_chart_title_says_how_its_records_were_sampled_and_no_label_is_clipp
 def test_every_published_record_is_rendered():
     records = sorted(p.name for p in plot_bench.BENCH_DIR.glob("*.json"))
     shown = {p.name for p, _ in plot_bench.bench_records()} | {p.name for p, _ in plot_bench.matrix_records()}
+    shown |= {p.name for p, _ in doc_tables.streaming_records()}
     assert records and set(records) == shown
     logs = plot_bench.gpu_test_logs()
     assert logs and all(log.name in page("validation.md") for log in logs)

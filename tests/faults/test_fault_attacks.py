@@ -628,7 +628,7 @@ def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
                 held.append(s)
             time.sleep(0.5)
             status, body, seconds = http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))
-            assert status == 503 and body["error"]["type"] == "server_busy" and seconds < 2, (status, body)
+            assert status == 503 and body["error"]["type"] == "ServiceUnavailableError" and seconds < 2, (status, body)
         # The first ones are cut at the body deadline with a 408, and the server serves again.
         s = held[0]
         s.settimeout(BODY_DEADLINE_S + 15)

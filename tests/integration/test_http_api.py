@@ -50,7 +50,10 @@ def _length(data: bytes) -> int:
 def test_health_and_models(engine, tiny_model):
     assert http("GET", url(engine, "/health")) == (200, {"status": "ok"})
     status, body = http("GET", url(engine, "/v1/models"))
-    assert status == 200 and body["data"][0]["id"] == str(tiny_model)
+    assert status == 200 and body["object"] == "list"
+    [card] = body["data"]
+    assert card["id"] == card["root"] == str(tiny_model) and card["object"] == "model" and card["owned_by"] == "wcache"
+    assert card["max_model_len"] == MAX_MODEL_LEN and isinstance(card["created"], int)
     assert "Loaded 27 tensors" in engine.log() and "from disk in" in engine.log()
     assert "Loading safetensors checkpoint shards" in engine.log()  # the progress bar over shards
 
@@ -60,7 +63,7 @@ def test_completion_is_openai_shaped_and_greedy(engine, tiny_model):
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert isinstance(body["created"], int) and body["model"] == str(tiny_model)
     [choice] = body["choices"]
-    assert set(choice) == {"index", "text", "token_ids", "logprobs", "finish_reason"}
+    assert set(choice) == {"index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason"}
     assert choice["index"] == 0 and choice["logprobs"] is None and isinstance(choice["text"], str)
     assert choice["finish_reason"] in ("length", "stop")
     n = len(choice["token_ids"])
@@ -102,7 +105,7 @@ def test_bad_requests_get_400_with_their_message(engine, case):
     status, answer = http("POST", url(engine, "/v1/completions"), body)
     assert status == 400, answer
     assert answer["error"]["message"].startswith(message)
-    assert answer["error"]["code"] == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["code"] == 400 and answer["error"]["type"] == "BadRequestError"  # vLLM's shape
     assert_still_serving(engine)
 
 
@@ -128,11 +131,26 @@ def test_missing_content_length_gets_411(engine):
     assert_still_serving(engine)
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/nope"), ("POST", "/v1/chat/completions"), ("GET", "/v1/completions")])
+@pytest.mark.parametrize("method,path", [("GET", "/nope"), ("POST", "/v1/embeddings"), ("GET", "/v1/completions")])
 def test_unknown_routes_get_404(engine, method, path):
     status, answer = http(method, url(engine, path), {"prompt": "x"} if method == "POST" else None)
     assert status == 404 and answer["error"]["message"] == f"No route for {method} {path}"
     assert_still_serving(engine)
+
+
+def test_an_http_1_0_client_gets_its_stream_unchunked_until_the_close(engine):
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, events = data.partition(b"\r\n\r\n")
+    assert b"text/event-stream" in head and b"Transfer-Encoding" not in head
+    lines = [e for e in events.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in lines) and lines[-1] == b"data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in lines[:-1])
+    assert text == complete(engine.port, "Hello", 4)["choices"][0]["text"]
 
 
 def test_sigterm_stops_serve_with_exit_0(engine):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -251,3 +252,24 @@ def test_a_rank_that_fails_at_startup_takes_the_group_down(procs, model32, wcach
     assert not (d / socket_name(device_identity("cpu", 0))).exists()
     assert "READY" not in log
 
+
+
+def test_tp2_engine_samples_stops_and_streams_in_lockstep(procs, model32, expected):
+    """Every rank draws the same sampled token (same seed, same logits), and stops where rank 0 stops
+    (a stop string, a streaming client gone): the next request still finds the ranks in lockstep."""
+    engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE)
+    url = f"http://127.0.0.1:{engine.port}/v1/completions"
+    sampled = [http("POST", url, {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 1.5, "seed": 5})
+               for _ in range(2)]
+    assert sampled[0][0] == 200 and sampled[0][1]["choices"][0]["token_ids"] == sampled[1][1]["choices"][0]["token_ids"]
+    greedy = complete(engine.port, PROMPT, TOKENS)["choices"][0]
+    assert greedy["token_ids"] == expected
+    stop = greedy["text"][3:5]
+    status, body = http("POST", url, {"prompt": PROMPT, "max_tokens": TOKENS, "stop": stop})
+    assert status == 200 and body["choices"][0]["text"] == greedy["text"][:greedy["text"].find(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as s:  # a client that leaves
+        body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert s.recv(1 << 16).startswith(b"HTTP/1.1 200 ")
+    assert tokens(engine.port) == expected

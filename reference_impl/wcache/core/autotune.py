@@ -138,6 +138,11 @@ def config_name(proj: str, n: int, k: int, m: int) -> str:
 def _device_name(cfg: EngineConfig) -> str:
     if cfg.device == "cuda":
         return torch.cuda.get_device_name(cfg.torch_device)
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from wcache.core.config import EngineConfig
 from wcache.core.distributed import exit_after_collectives
@@ -24,6 +25,8 @@ from wcache.engine.runner import (
     RankRunner,
     rank_spec,
 )
+from wcache.engine.sampling import GREEDY, SamplingParams
+from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
 from wcache.errors import ParallelConfigError
 from wcache.model import tokenizer
@@ -31,6 +34,15 @@ from wcache.model import tokenizer
 log = logging.getLogger("wcache.engine")
 
 KEEPALIVE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stop_reason: str | None  # the stop string that ended it (None for EOS or length, as vLLM)
+    prompt_tokens: int
 
 
 class Engine:
@@ -75,19 +87,46 @@ class Engine:
                     return
                 self._last = time.monotonic()
 
-    def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
+    @property
+    def has_draft(self) -> bool:
+        return self.runner.draft is not None
+
+    def generate(self, prompt: str, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
+                 on_text=None) -> Completion:
+        """One completion. ``on_text(piece) -> bool`` is told each new piece of final text as it is
+        decoded (textstream.py) and returns True to stop early (a streaming client went away)."""
         ids = tokenizer.encode(prompt)
+        text = TextStream(stop)
+        sampling = sampling.seeded()  # every rank draws with the same seed
+        gone = False
+
+        def on_token(tok: int) -> bool:
+            nonlocal gone
+            piece = text.push(tok)
+            if on_text is not None and piece and not gone:
+                gone = bool(on_text(piece))
+            return text.stopped or gone
+
         r = self.runner
         with self._lock:
             before = (r.proposed, r.accepted)
-            r.send_request(OP_GENERATE, ids, max_tokens)
-            out = r.decode(ids, max_tokens, tokenizer.EOS_ID)
+            stops = bool(text.stop) or on_text is not None
+            r.send_request(OP_GENERATE, ids, max_tokens, sampling, stops=stops)
+            out = r.decode(ids, max_tokens, tokenizer.EOS_ID, sampling, on_token=on_token, stops=stops)
             self._last = time.monotonic()
         if r.draft is not None:
             log.info("Speculative decoding (%s): accepted %d of %d draft tokens", r.draft_spec["method"],
                      r.accepted - before[1], r.proposed - before[0])
-        finish = "stop" if out and out[-1] == tokenizer.EOS_ID else "length"
-        return tokenizer.decode(out), out, finish, len(ids)
+        rest = text.finish()
+        if on_text is not None and rest and not gone:
+            on_text(rest)
+        finish = "stop" if text.stopped or (out and out[-1] == tokenizer.EOS_ID) else "length"
+        return Completion(text.text, out, finish, text.stop_reason, len(ids))
+
+    def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
+        """Greedy (text, token ids, finish reason, prompt tokens)."""
+        c = self.generate(prompt, max_tokens)
+        return c.text, c.token_ids, c.finish_reason, c.prompt_tokens
 
     def close(self) -> None:
         with self._lock:

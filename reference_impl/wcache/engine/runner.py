@@ -14,8 +14,10 @@ The computation is SPMD: engine rank 0 serves HTTP (engine.py) and, for each req
 small int64 header and the prompt's token ids; every rank then runs the same decoding loop.
 Tensor-parallel ranks all-reduce the two row-parallel projections of every layer
 (``Llama.set_all_reduce``); pipeline stages hand hidden states to the next stage with send/recv;
-the last stage broadcasts the logits, so every rank takes the same greedy decision. Nothing but
-tensors crosses between ranks (no pickle).
+the last stage broadcasts the logits, so every rank takes the same decision: greedy, or the same
+seeded draw (sampling.py; the settings travel in the request header). Where rank 0 may end a
+sequence early (a stop string, a streaming client gone) it tells the others after every token.
+Nothing but tensors crosses between ranks (no pickle).
 
 With ``--speculative-config`` every rank also holds its shard of a draft model (from the draft
 daemon group's ``_draft`` sockets when the method is cached); decoding is then greedy
@@ -45,6 +47,7 @@ from wcache.engine import memory
 from wcache.engine.loading.base import LoadedWeights
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.registry import load_weights
+from wcache.engine.sampling import GREEDY, Sampler, SamplingParams
 from wcache.engine.world import LOST_PEERS, World
 from wcache.errors import UserError
 from wcache.model import tokenizer
@@ -200,11 +203,14 @@ class RankRunner:
             loaded.close()
 
     # -- the request channel (rank 0 sends, the others receive) ------------------------------
-    def send_request(self, op: int, prompt: list[int] = (), max_tokens: int = 0) -> None:
-        self.world.send_request(op, prompt, max_tokens, with_prompt=op == OP_GENERATE)
+    def send_request(self, op: int, prompt: list[int] = (), max_tokens: int = 0, sampling: SamplingParams = GREEDY,
+                     stops: bool = False) -> None:
+        self.world.send_request(op, prompt, max_tokens, with_prompt=op == OP_GENERATE, sampling=sampling.as_ints(),
+                                stops=stops)
 
-    def recv_request(self) -> tuple[int, list[int], int]:
-        return self.world.recv_request(lambda op: op == OP_GENERATE)
+    def recv_request(self) -> tuple[int, list[int], int, SamplingParams, bool]:
+        op, prompt, max_tokens, sampling, stops = self.world.recv_request(lambda op: op == OP_GENERATE)
+        return op, prompt, max_tokens, SamplingParams.from_ints(sampling), stops
 
     # -- one forward pass over the whole engine ----------------------------------------------
     def forward(self, model: Llama, cache, tokens: list[int], start: int, logits_from: int | None = None):
@@ -228,13 +234,17 @@ class RankRunner:
             self.trace.append(logits.clone())
         return logits
 
-    # -- the decoding loop: greedy, with or without a draft ----------------------------------
+    # -- the decoding loop: greedy or sampled, with or without a draft ---------------------------
     @torch.inference_mode()
-    def decode(self, prompt: list[int], max_tokens: int, eos: int | None) -> list[int]:
-        """Greedy tokens after ``prompt``. Without a draft every step proposes nothing and the target
-        alone picks the next token; with one, each step verifies ``k`` draft tokens at once."""
+    def decode(self, prompt: list[int], max_tokens: int, eos: int | None, sampling: SamplingParams = GREEDY,
+               on_token=None, stops: bool = False) -> list[int]:
+        """Tokens after ``prompt``. Without a draft every step proposes nothing and the target alone
+        picks the next token (sampling.py); with one (greedy only), each step verifies ``k`` draft
+        tokens at once. ``on_token(token) -> bool`` (rank 0) is told each token and may stop the
+        sequence; with ``stops`` every rank asks rank 0 after each token whether it did."""
         if max_tokens < 1:
             return []
+        sampler = Sampler(sampling)
         k = self.draft_spec["k"] if self.draft is not None else 0
         committed, out = list(prompt), []
         t_len = d_len = 0  # positions of each KV cache that hold committed tokens
@@ -253,7 +263,7 @@ class RankRunner:
                 preds = self.forward(self.model, self.kv_cache, pending + proposals, t_len,
                                      logits_from=len(pending) - 1).argmax(dim=-1).tolist()
             else:
-                preds = [int(torch.argmax(self.forward(self.model, self.kv_cache, pending, t_len)))]
+                preds = [sampler.pick(self.forward(self.model, self.kv_cache, pending, t_len))]
             accepted = 0
             while accepted < k and preds[accepted] == proposals[accepted]:
                 accepted += 1
@@ -265,7 +275,10 @@ class RankRunner:
             committed += new
             for tok in new:
                 out.append(tok)
-                if tok == eos or len(out) == max_tokens:
+                stop = on_token(tok) if on_token is not None else False
+                if stops:
+                    stop = self.world.share_flag(stop)
+                if stop or tok == eos or len(out) == max_tokens:
                     return out
 
 
@@ -273,12 +286,12 @@ def serve_requests(runner: RankRunner) -> int:
     """A non-driving rank: run every request rank 0 broadcasts, until it says stop."""
     try:
         while True:
-            op, prompt, max_tokens = runner.recv_request()
+            op, prompt, max_tokens, sampling, stops = runner.recv_request()
             if op == OP_STOP:
                 log.info("Engine rank %d stopping", runner.rank)
                 return 0
             if op == OP_GENERATE:
-                runner.decode(prompt, max_tokens, tokenizer.EOS_ID)
+                runner.decode(prompt, max_tokens, tokenizer.EOS_ID, sampling, stops=stops)
     except RuntimeError as e:
         log.error(LOST_PEERS.format(rank=runner.rank, error=str(e).splitlines()[0]))
         return 1

@@ -1,28 +1,32 @@
-"""The engine's HTTP API on the standard library's threading server.
+"""The engine's HTTP API: routes, on the front door of http_front.py, answering as openai_api.py says.
 
-``GET /health`` is 200 only once weights are bound; ``POST /v1/completions`` takes an OpenAI-style
-body (prompt, max_tokens) and answers greedily. Bad requests get a 4xx with a JSON error and the
-server keeps serving: a body is read only with a valid, bounded Content-Length and within
-BODY_DEADLINE_S in all; every read waits at most READ_TIMEOUT_S; at most MAX_CONNECTIONS are
-served at once (the next one gets a 503 at once); any JSON the parser refuses (a lone surrogate,
-nesting past the stack, an integer past the digit limit) is a 400, and so is every request the
-standard library itself rejects (its HTML error pages are JSON here).
+| Route | Answer |
+| --- | --- |
+| ``GET /health`` | 200 once weights are bound, 503 while they load |
+| ``GET /v1/models`` | the served model, in vLLM's shape |
+| ``POST /v1/completions`` | a completion, or with ``"stream": true`` server-sent events |
+| ``POST /v1/chat/completions`` | refused as vLLM refuses a model without a chat template |
+
+A body is read only with a valid, bounded Content-Length and under the request's deadline; any
+JSON the parser refuses (a lone surrogate, nesting past the stack, an integer past the digit limit)
+is a 400, and so is every request the standard library itself rejects (as JSON). ``EngineServer``
+serves from its creation (``/health`` is 503 until ``engine`` is set and ``ready``), on the address
+it binds or on a listening socket it is handed (``sock=``).
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
+import queue
 import re
 import signal
-import sys
 import threading
 import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from wcache.errors import ServeAddressError
+from wcache.engine import http_front
+from wcache.engine import openai_api as api
+from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE
+from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
 log = logging.getLogger("wcache.server")
 
@@ -30,213 +34,192 @@ MAX_BODY_BYTES = 1 << 20
 # An oversize body is read and dropped up to this much before the 413, so that an ordinary client
 # still sending it sees the answer instead of a broken pipe; beyond it the connection is just cut.
 MAX_DISCARD_BYTES = 16 << 20
-READ_TIMEOUT_S = 10.0  # each read of a request line, header or body chunk
-BODY_DEADLINE_S = 30.0  # the whole body
-MAX_CONNECTIONS = 64  # connections served at once (each is a thread)
+READ_TIMEOUT_S = DEFAULT_LIMITS.read_timeout_s  # each read of a request
+BODY_DEADLINE_S = REQUEST_DEADLINE_S = DEFAULT_LIMITS.request_deadline_s  # the whole request from its first byte
+MAX_CONNECTIONS = DEFAULT_LIMITS.max_connections  # connections served at once (each is a thread)
 _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit numbers
 
+# Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
+ROUTES = {
+    ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
+    ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
+                           "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
+    ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
+                                 "with `\"stream\": true`, server-sent events",
+    ("POST", "/v1/chat/completions"): "400: the byte-level tokenizer has no chat template (vLLM's answer for such a "
+                                      "model); an unknown `model` is a 404 first",
+}
+# Every refusal the routes and the front door give: (status, message, when); the type is the status's.
+REFUSALS = [
+    (400, api.UNKNOWN_FIELD, "a field the table above does not list"),
+    (400, api.REFUSED_FIELD, "a refused field with anything but its neutral value"),
+    (404, api.MODEL_NOT_FOUND, "`model` is not the served model's name"),
+    (400, api.NO_CHAT_TEMPLATE, "any `POST /v1/chat/completions`"),
+    (400, api.NOT_JSON, "the body is not JSON (bad UTF-8, a lone surrogate, nesting too deep)"),
+    (400, http_front.BOTH_FRAMINGS, "`Transfer-Encoding` and `Content-Length` together"),
+    (400, http_front.MANY_LENGTHS, "two `Content-Length` headers, or a list of lengths"),
+    (400, BAD_LENGTH, "a length with a sign, spaces or more than 12 digits"),
+    (411, NO_LENGTH, "a POST without `Content-Length` (chunked bodies are not read)"),
+    (413, TOO_LARGE, "a body over 1 MiB"),
+    (408, http_front.TIMED_OUT, "the request line, headers and body did not all arrive in time"),
+    (503, BUSY_MESSAGE, "every connection is working on a request (idle ones are closed first)"),
+    (503, LOADING, "a request before the weights are loaded"),
+    (404, NO_ROUTE, "any other method or path"),
+]
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def parse_completion_request(body: bytes, max_model_len: int) -> tuple[str, int]:
-    try:
-        req = json.loads(body)
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, an int past the digit limit, deep nesting
-        raise ApiError(400, f"Request body is not valid JSON: {str(e)[:200] or type(e).__name__}")
-    if not isinstance(req, dict):
-        raise ApiError(400, "Request body must be a JSON object")
-    prompt = req.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "'prompt' is required and must be a non-empty string")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:  # "\ud800" is valid JSON but no text
-        raise ApiError(400, "'prompt' contains a lone surrogate: it is not valid Unicode text") from None
-    max_tokens = req.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise ApiError(400, "'max_tokens' must be an integer")
-    prompt_tokens = len(prompt.encode("utf-8")) + 1
-    limit = max_model_len - prompt_tokens
-    if not 1 <= max_tokens <= limit:
-        raise ApiError(400, f"'max_tokens' must be between 1 and {max(limit, 0)} for this prompt "
-                            f"(max model length {max_model_len}, prompt {prompt_tokens} tokens)")
-    return prompt, max_tokens
+__all__ = ["EngineServer", "run_until_signal", "BUSY_MESSAGE", "Limits"]
 
 
-class EngineServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128  # a burst waits in the backlog, not in SYN retries; past MAX_CONNECTIONS it gets a 503
-
-    def __init__(self, address, engine, model_name: str):
+class EngineServer(FrontDoorServer):
+    def __init__(self, address, engine, model_name: str, limits: Limits = DEFAULT_LIMITS, sock=None):
         self.engine = engine
         self.model_name = model_name
         self.ready = engine is not None
-        try:
-            super().__init__(address, _Handler)
-        except OSError as e:  # e.g. port 8000 taken: one line and status 2, not a traceback
-            host, port = address[0], address[1]
-            if e.errno == errno.EADDRINUSE:
-                raise ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port)) from None
-            raise ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e)) from None
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.created = int(time.time())
+        super().__init__(address, _Handler, limits, sock)
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self.serving.start()
 
-    def process_request(self, request, client_address):
-        """A thread per connection, at most MAX_CONNECTIONS: past that, a 503 at once and a close."""
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.settimeout(1.0)
-                body = json.dumps({"error": {"message": BUSY_MESSAGE.format(max=MAX_CONNECTIONS),
-                                             "type": "server_busy", "code": 503}}).encode()
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def handle_error(self, request, client_address):
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-            return  # the client gave up (e.g. a probe's timeout): not worth a traceback
-        super().handle_error(request, client_address)
-
-
-BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(FrontDoorHandler):
     server: EngineServer
-    protocol_version = "HTTP/1.1"
-    timeout = READ_TIMEOUT_S  # StreamRequestHandler sets it on the socket: no read waits longer
 
-    def send_error(self, code, message=None, explain=None):
-        """The standard library's own refusals (bad request line, headers too long, a read that
-        timed out) as the same JSON errors as ours, and the connection closed."""
-        self.close_connection = True
-        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
-            self.request_version = "HTTP/1.0"  # an unparsable request line still gets a status line
-        try:
-            self._error(code, message or self.responses.get(code, ("Error",))[0])
-        except OSError:
-            pass
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
+        self.send_json(status, api.error_body(status, message, param))
 
-    def log_message(self, fmt, *args):  # route access logs through logging, quietly
-        log.debug("%s " + fmt, self.address_string(), *args)
+    def do_GET(self):
+        self.begin_answer()
+        if self.path == "/health":
+            if self.server.ready:
+                self.send_json(200, {"status": "ok"})
+            else:
+                self.send_json(503, {"status": "loading"})
+        elif self.path == "/v1/models":
+            engine = self.server.engine if self.server.ready else None
+            self.send_json(200, api.models_body(self.server.model_name, self.server.created,
+                                                engine.max_model_len if engine is not None else None))
+        else:
+            self._error(404, NO_ROUTE.format(method="GET", path=self.path[:200]))
 
-    def _send(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def _body(self) -> bytes | None:
+        """The request's body, or None once the answer (a 4xx) is sent or the peer is gone."""
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            self.close_connection = True
+            self._error(411, NO_LENGTH)
+            return None
+        if not _LENGTH.fullmatch(raw.strip()):  # int() would take "-1", "+5", "1_000" and 5000 digits
+            self.close_connection = True
+            self._error(400, BAD_LENGTH.format(value=raw[:32]))
+            return None
+        length = int(raw)
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True  # the unread body must not be parsed as a next request
+            self._discard(min(length, MAX_DISCARD_BYTES))  # so the client is not cut off mid-send
+            self._error(413, TOO_LARGE.format(length=length, max=MAX_BODY_BYTES))
+            return None
+        body = self.read_body(length)
+        if len(body) < length:  # the peer closed before sending it all: nobody to answer
+            self.close_connection = True
+            return None
+        return body
 
     def _discard(self, n: int) -> None:
-        self.connection.settimeout(10)
         try:
             while n > 0:
-                chunk = self.rfile.read(min(n, 1 << 16))
+                chunk = self.rfile.read1(min(n, 1 << 16))
                 if not chunk:
                     break
                 n -= len(chunk)
         except OSError:
             pass
 
-    def _read_body(self, length: int) -> bytes | None:
-        """The body, or None when it is not complete within BODY_DEADLINE_S (or the peer closed)."""
-        deadline = time.monotonic() + BODY_DEADLINE_S
-        parts, got = [], 0
-        try:
-            while got < length:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.connection.settimeout(min(left, READ_TIMEOUT_S))
-                chunk = self.rfile.read1(min(length - got, 1 << 16))
-                if not chunk:
-                    return None
-                parts.append(chunk)
-                got += len(chunk)
-        except (TimeoutError, OSError):
-            return None
-        finally:
-            try:
-                self.connection.settimeout(READ_TIMEOUT_S)
-            except OSError:
-                pass
-        return b"".join(parts)
-
-    def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
-
-    def do_GET(self):
-        if self.path == "/health":
-            if self.server.ready:
-                self._send(200, {"status": "ok"})
-            else:
-                self._send(503, {"status": "loading"})
-        elif self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model"}]})
-        else:
-            self._error(404, f"No route for GET {self.path}")
-
     def do_POST(self):
-        if self.path != "/v1/completions":
-            self._error(404, f"No route for POST {self.path}")
+        if ("POST", self.path) not in ROUTES:
+            self.close_connection = True  # its body is not read
+            self.begin_answer()
+            self._error(404, NO_ROUTE.format(method="POST", path=self.path[:200]))
             return
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            self.close_connection = True
-            self._error(411, "A Content-Length header is required")
-            return
-        if not _LENGTH.fullmatch(raw.strip()):  # int() would take "-1", "+5", "1_000" and 5000 digits
-            self.close_connection = True
-            self._error(400, f"Content-Length must be a number of bytes, got {raw[:32]!r}")
-            return
-        length = int(raw)
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True  # the unread body must not be parsed as a next request
-            self._discard(min(length, MAX_DISCARD_BYTES))  # so the client is not cut off mid-send
-            self._error(413, f"Request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-            return
-        body = self._read_body(length)
+        body = self._body()
+        self.begin_answer()
         if body is None:
-            self.close_connection = True
-            self._error(408, f"The request body did not arrive within {BODY_DEADLINE_S:.0f}s")
             return
         if not self.server.ready:
-            self._error(503, "The engine is still loading its weights")
+            self._error(503, LOADING)
             return
-        engine = self.server.engine
         try:
-            prompt, max_tokens = parse_completion_request(body, engine.max_model_len)
-        except ApiError as e:
-            self._error(e.status, e.message)
+            if self.path == "/v1/chat/completions":
+                req = api.parse_json_object(body)
+                api.check_model(req, self.server.model_name)
+                raise api.ApiError(400, api.NO_CHAT_TEMPLATE)
+            engine = self.server.engine
+            req = api.parse_completion_request(body, engine.max_model_len, self.server.model_name, engine.has_draft)
+        except api.ApiError as e:
+            self.send_json(e.status, e.body())
             return
-        text, ids, finish, n_prompt = engine.complete(prompt, max_tokens)
-        self._send(200, {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.server.model_name,
-            "choices": [{"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)},
-        })
+        if req.stream:
+            self._stream(engine, req)
+            return
+        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
+        self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
+
+    def _stream(self, engine, req: api.CompletionRequest) -> None:
+        """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
+        finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
+        thread; a client that goes away stops the decoding at its next token."""
+        cid, created, model = api.new_id(), int(time.time()), self.server.model_name
+        pieces: queue.Queue = queue.Queue()
+        gone = threading.Event()
+
+        def run() -> None:
+            try:
+                pieces.put(("done", engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop,
+                                                    on_text=lambda piece: pieces.put(("text", piece)) or gone.is_set())))
+            except BaseException as e:  # reported below, on the request's thread
+                pieces.put(("error", e))
+
+        self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        self.end_headers()
+        threading.Thread(target=run, name="wcache-stream", daemon=True).start()
+        while True:
+            kind, item = pieces.get()
+            if kind == "text":
+                self._event(api.stream_chunk(cid, created, model, item), gone)
+                continue
+            if kind == "error":
+                self.close_connection = True
+                log.error("A streamed completion failed: %s", item)
+                return
+            self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
+            if req.include_usage:
+                self._event(api.usage_chunk(cid, created, model, item), gone)
+            self._event(api.DONE, gone)
+            if not gone.is_set() and self.chunked:
+                try:
+                    self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    gone.set()
+            if gone.is_set():
+                self.close_connection = True
+            return
+
+    def _event(self, payload, gone: threading.Event) -> None:
+        if gone.is_set():
+            return
+        data = api.sse(payload)
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)  # a chunk per event
+        except OSError:
+            gone.set()
 
 
 def run_until_signal(server: EngineServer, on_stop=None) -> None:

@@ -75,30 +75,44 @@ class World:
         dist.all_reduce(t, group=self.tp_group)
         return t
 
-    # -- the request channel: rank 0 broadcasts a 3-int64 header, then the prompt's ids ----------
-    def send_request(self, op: int, prompt, max_tokens: int, with_prompt: bool) -> None:
+    # -- the request channel: rank 0 broadcasts a 7-int64 header, then the prompt's ids ----------
+    # header: op, prompt length, max_tokens, the sampling settings (3 ints, sampling.py), and whether
+    # rank 0 will say after every token if the sequence stops (stop strings, a client gone).
+    def send_request(self, op: int, prompt, max_tokens: int, with_prompt: bool, sampling: list[int] = (0, 0, -1),
+                     stops: bool = False) -> None:
         if self.size == 1:
             return
         import torch.distributed as dist
 
         dev = self._device()
-        dist.broadcast(torch.tensor([op, len(prompt), max_tokens], dtype=torch.long, device=dev), 0)
+        header = [op, len(prompt), max_tokens, *sampling, int(stops)]
+        dist.broadcast(torch.tensor(header, dtype=torch.long, device=dev), 0)
         if with_prompt:
             dist.broadcast(torch.tensor(list(prompt), dtype=torch.long, device=dev), 0)
 
-    def recv_request(self, has_prompt) -> tuple[int, list[int], int]:
+    def recv_request(self, has_prompt) -> tuple[int, list[int], int, list[int], bool]:
         import torch.distributed as dist
 
         dev = self._device()
-        header = torch.empty(3, dtype=torch.long, device=dev)
+        header = torch.empty(7, dtype=torch.long, device=dev)
         dist.broadcast(header, 0)
-        op, n, max_tokens = header.tolist()
+        op, n, max_tokens, *sampling, stops = header.tolist()
         prompt: list[int] = []
         if has_prompt(op):
             ids = torch.empty(n, dtype=torch.long, device=dev)
             dist.broadcast(ids, 0)
             prompt = ids.tolist()
-        return op, prompt, max_tokens
+        return op, prompt, max_tokens, sampling, bool(stops)
+
+    def share_flag(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (whether to stop the sequence now)."""
+        if self.size == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([int(flag)], dtype=torch.long, device=self._device())
+        dist.broadcast(t, 0)
+        return bool(t.item())
 
     # -- pipeline hand-offs and the last stage's logits ----------------------------------------
     def recv_hidden(self, shape, dtype, device) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""Concurrent streaming clients against a real ``wcache serve``: is every stream complete, is none
+refused, and how long does each wait for its first token?
+
+``python -m wcache.bench_http MODEL_DIR --clients 16 --output FILE`` starts ``wcache serve`` on a
+free loopback port, asks once for the plain greedy completion, then starts ``--clients`` streaming
+requests at the same instant (one thread and connection each, raw HTTP so nothing but the socket
+sits between the clock and the bytes) and checks that every stream ends with ``data: [DONE]`` and
+that its pieces join to the plain completion. The record (JSON) carries the date, the machine and
+torch; docs/benchmarks.md's streaming table is generated from the records in docs/benchmarks/
+(tools/doc_tables.py).
+
+The engine decodes one sequence at a time, so the n-th client's first token waits for the n-1
+completions before it: time to first token grows with the queue, and the p99 says by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+RECORD_KEY = "streaming_clients"
+PROMPT = "Hello"
+KEYS = {"date", "host", "python", "torch", "wcache", "device", "cpu_count", "machine", "model", RECORD_KEY,
+        "max_tokens", "completed", "refused", "matching_text", "ttft_s", "request_s", "wall_s"}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (p99 of 16 values is the largest)."""
+    s = sorted(values)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
+    log = log_path.open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", "cpu", "--host",
+                             "127.0.0.1", "--port", str(port), "--no-enable-autotune"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"wcache serve exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"wcache serve not healthy within 180 s:\n{log_path.read_text()[-2000:]}")
+
+
+def plain_text(port: int, max_tokens: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}),
+                 {"Content-Type": "application/json"})
+    return json.loads(conn.getresponse().read())["choices"][0]["text"]
+
+
+def stream_once(port: int, max_tokens: int, go: threading.Barrier) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "stream": True})
+    go.wait()
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        return {"status": r.status, "done": False}
+    ttft, pieces, done, finish = None, [], False, None
+    for line in r:  # http.client undoes the chunked transfer encoding
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            done = True
+            break
+        choices = json.loads(data)["choices"]
+        if choices:
+            if choices[0]["text"] and ttft is None:
+                ttft = time.perf_counter() - t0
+            pieces.append(choices[0]["text"])
+            finish = choices[0]["finish_reason"] or finish
+    conn.close()
+    return {"status": 200, "done": done and finish is not None, "ttft_s": ttft,
+            "request_s": time.perf_counter() - t0, "text": "".join(pieces)}
+
+
+def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
+    from wcache.bench import environment
+    from wcache.core.autotune import cpu_name
+
+    port = free_port()
+    proc = start_engine(model, port, workdir / "engine.log")
+    try:
+        want = plain_text(port, max_tokens)
+        go = threading.Barrier(clients)
+        results: list[dict] = [{} for _ in range(clients)]
+
+        def client(i: int) -> None:
+            try:
+                results[i] = stream_once(port, max_tokens, go)
+            except OSError as e:
+                results[i] = {"status": None, "done": False, "error": str(e)}
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    complete = [r for r in results if r.get("done")]
+    ttfts = [r["ttft_s"] for r in complete if r["ttft_s"] is not None]
+    requests = [r["request_s"] for r in complete]
+    return {
+        **environment("cpu"), "machine": platform.machine(), "cpu_model": cpu_name(), "model": Path(model).name, RECORD_KEY: clients,
+        "max_tokens": max_tokens, "completed": len(complete), "refused": sum(1 for r in results if r.get("status") != 200),
+        "matching_text": sum(1 for r in complete if r["text"] == want),
+        "ttft_s": {"p50": round(statistics.median(ttfts), 4), "p99": round(percentile(ttfts, 99), 4),
+                   "min": round(min(ttfts), 4)} if ttfts else None,
+        "request_s": {"p50": round(statistics.median(requests), 4), "p99": round(percentile(requests, 99), 4)}
+        if requests else None,
+        "wall_s": round(wall, 3),
+    }
+
+
+def problems(record: dict) -> list[str]:
+    """What makes a record unfit to publish (empty when fit)."""
+    out = [f"missing key {k!r}" for k in sorted(KEYS - set(record))]
+    if out:
+        return out
+    n = record[RECORD_KEY]
+    if record["completed"] != n or record["matching_text"] != n:
+        out.append(f"{record['completed']} of {n} streams complete, {record['matching_text']} matching the plain text")
+    if record["refused"]:
+        out.append(f"{record['refused']} of {n} requests refused")
+    t = record["ttft_s"]
+    if not t or not 0 < t["min"] <= t["p50"] <= t["p99"] <= record["wall_s"]:
+        out.append(f"time-to-first-token figures out of order: {t}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wcache.bench_http", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="checkpoint directory (e.g. one `wcache make-checkpoint --preset tiny` wrote)")
+    p.add_argument("--clients", type=int, default=16, help="streaming clients started at once (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens each asks for (default 32)")
+    p.add_argument("--output", type=Path, help="also write the record (JSON) here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="wcache-bench-http-") as workdir:
+        record = run(args.model, args.clients, args.max_tokens, Path(workdir))
+    text = json.dumps(record, indent=2) + "\n"
+    if args.output:
+        args.output.write_text(text)
+    print(text, end="")
+    bad = problems(record)
+    for b in bad:
+        print(f"unfit record: {b}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The subset of the OpenAI API that vLLM serves, as vLLM serves it: what a request may ask, and
+the JSON that answers it. No sockets here (server.py routes, http_front.py guards the door).
+
+Every field a completion request may carry is in ``COMPLETION_FIELDS``, supported or refused, and
+docs/serve-reference.md's table is generated from it (tools/doc_tables.py). A field outside it,
+or a refused field with anything but its neutral value, is a 400 that names the field: a request is
+never served with a setting silently dropped. Errors have vLLM's shape,
+``{"error": {"message", "type", "param", "code"}}``, with vLLM's texts where vLLM has one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from wcache.engine.sampling import SamplingParams
+from wcache.errors import (  # the texts live with every other user-facing text
+    MODEL_NOT_FOUND, NO_CHAT_TEMPLATE, NOT_JSON, NOT_AN_OBJECT, UNKNOWN_FIELD, REFUSED_FIELD, PROMPT_REQUIRED,
+    PROMPT_SURROGATE, MAX_TOKENS_TYPE, MAX_TOKENS_RANGE, MODEL_TYPE, TEMPERATURE, TOP_P, SEED, STOP, STREAM,
+    STREAM_OPTIONS, SAMPLING_WITH_DRAFT,
+)
+from wcache.model import tokenizer
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Field:
+    supported: bool
+    what: str  # the value it takes (supported), or why it is refused
+    neutral: tuple = ()  # refused fields: values that ask for nothing, accepted (a client's explicit default)
+
+
+COMPLETION_FIELDS: dict[str, Field] = {
+    "model": Field(True, "the served model's name, as `GET /v1/models` lists it (optional; another name is a 404)"),
+    "prompt": Field(True, "one non-empty string (the tokenizer is byte-level: one token per UTF-8 byte, plus BOS)"),
+    "max_tokens": Field(True, f"tokens to generate, 1 to the model length minus the prompt (default {DEFAULT_MAX_TOKENS})"),
+    "temperature": Field(True, "0 to 2; 0 (the default here; vLLM's is 1) is greedy"),
+    "top_p": Field(True, "in (0, 1], default 1: sample from the smallest set of tokens that reaches this probability"),
+    "seed": Field(True, "an integer: the same seed, prompt and settings give the same completion"),
+    "stop": Field(True, "a string or up to 4 strings; the text ends before the first one found (not included)"),
+    "stream": Field(True, "`true`: server-sent events, one `data:` chunk per piece of text, then `data: [DONE]`"),
+    "stream_options": Field(True, "`{\"include_usage\": true}` adds a last chunk with the token counts"),
+    "user": Field(True, "an end-user id; accepted and not used, as vLLM"),
+    "n": Field(False, "one completion per request", (None, 1)),
+    "best_of": Field(False, "one completion per request", (None, 1)),
+    "logprobs": Field(False, "log-probabilities are not returned", (None,)),
+    "echo": Field(False, "the prompt is not echoed", (False,)),
+    "suffix": Field(False, "no insertion after a suffix", (None,)),
+    "presence_penalty": Field(False, "no penalties", (0, 0.0)),
+    "frequency_penalty": Field(False, "no penalties", (0, 0.0)),
+    "logit_bias": Field(False, "no logit bias", (None,)),
+}
+
+
+class ApiError(Exception):
+    """A refusal with vLLM's error shape: status, message, type, and the field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_type(status: int) -> str:
+    """vLLM's ``type``: the status's name as an exception class (BadRequestError, NotFoundError)."""
+    return HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_json_object(body: bytes) -> dict:
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, an int past the digit limit, deep nesting
+        raise ApiError(400, NOT_JSON.format(error=str(e)[:200] or type(e).__name__)) from None
+    if not isinstance(req, dict):
+        raise ApiError(400, NOT_AN_OBJECT)
+    return req
+
+
+def check_model(req: dict, served: str) -> None:
+    model = req.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, MODEL_TYPE, "model")
+    if model != served:
+        raise ApiError(404, MODEL_NOT_FOUND.format(model=model), "model")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_completion_request(body: bytes, max_model_len: int, served: str = "", has_draft: bool = False,
+                             ) -> CompletionRequest:
+    req = parse_json_object(body)
+    for name, value in req.items():
+        spec = COMPLETION_FIELDS.get(name)
+        if spec is None:
+            raise ApiError(400, UNKNOWN_FIELD.format(field=name[:64]), name[:64])
+        if not spec.supported and not any(value == n and type(value) is type(n) for n in spec.neutral):
+            raise ApiError(400, REFUSED_FIELD.format(field=name, why=spec.what), name)
+    if served:
+        check_model(req, served)
+    prompt = req.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, PROMPT_REQUIRED, "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800" is valid JSON but no text
+        raise ApiError(400, PROMPT_SURROGATE, "prompt") from None
+    max_tokens = req.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise ApiError(400, MAX_TOKENS_TYPE, "max_tokens")
+    prompt_tokens = len(tokenizer.encode(prompt))
+    limit = max_model_len - prompt_tokens
+    if not 1 <= max_tokens <= limit:
+        raise ApiError(400, MAX_TOKENS_RANGE.format(limit=max(limit, 0), max_model_len=max_model_len,
+                                                    prompt_tokens=prompt_tokens), "max_tokens")
+    return CompletionRequest(prompt, max_tokens, _sampling(req, has_draft), _stop(req.get("stop")), *_stream(req))
+
+
+def _sampling(req: dict, has_draft: bool) -> SamplingParams:
+    t = req.get("temperature", 0.0)
+    t = 0.0 if t is None else t
+    if not _number(t) or not 0 <= t <= 2:
+        raise ApiError(400, TEMPERATURE.format(value=json.dumps(t)[:32]), "temperature")
+    p = req.get("top_p", 1.0)
+    p = 1.0 if p is None else p
+    if not _number(p) or not 0 < p <= 1:
+        raise ApiError(400, TOP_P.format(value=json.dumps(p)[:32]), "top_p")
+    seed = req.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ApiError(400, SEED.format(value=json.dumps(seed)[:32]), "seed")
+    if t > 0 and has_draft:
+        raise ApiError(400, SAMPLING_WITH_DRAFT, "temperature")
+    return SamplingParams(float(t), float(p), seed)
+
+
+def _stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > 4
+            or not all(isinstance(s, str) and s and _encodable(s) for s in stops)):
+        raise ApiError(400, STOP, "stop")
+    return tuple(stops)
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _stream(req: dict) -> tuple[bool, bool]:
+    stream = req.get("stream", False)
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise ApiError(400, STREAM, "stream")
+    opts = req.get("stream_options")
+    if opts is None:
+        return stream, False
+    if (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}
+            or not isinstance(opts.get("include_usage", False), bool)):
+        raise ApiError(400, STREAM_OPTIONS, "stream_options")
+    return stream, opts.get("include_usage", False)
+
+
+# -- answers ---------------------------------------------------------------------------------------
+def new_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(cid: str, model: str, completion) -> dict:
+    return {
+        "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": completion.text, "token_ids": completion.token_ids, "logprobs": None,
+                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}],
+        "usage": usage(completion.prompt_tokens, len(completion.token_ids)),
+    }
+
+
+def stream_chunk(cid: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                 stop_reason: str | None = None) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
+
+
+def usage_chunk(cid: str, created: int, model: str, completion) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+            "usage": usage(completion.prompt_tokens, len(completion.token_ids))}
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event as vLLM writes it: ``data: <json>`` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+DONE = "[DONE]"
+
+
+def models_body(model: str, created: int, max_model_len: int | None) -> dict:
+    """``GET /v1/models`` in vLLM's shape (a ModelCard per served model)."""
+    return {"object": "list", "data": [{
+        "id": model, "object": "model", "created": created, "owned_by": "wcache", "root": model, "parent": None,
+        "max_model_len": max_model_len}]}

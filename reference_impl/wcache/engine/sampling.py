@@ -1,0 +1,76 @@
+"""How the next token is picked from the logits: greedy, or sampled with temperature and top-p.
+
+Temperature 0 is ``argmax``, exactly the engine's greedy decoding. Above it the logits are divided
+by the temperature, the smallest set of tokens whose probability reaches ``top_p`` is kept, and one
+is drawn with a CPU ``torch.Generator`` seeded from the request's ``seed`` (a random one when it has
+none). Every engine rank receives the same logits and the same settings (``World.send_request``),
+so every rank draws the same token without exchanging it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def seeded(self) -> SamplingParams:
+        """These settings with a seed: the request's, or a fresh random one (sent to every rank)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return SamplingParams(self.temperature, self.top_p, secrets.randbits(62))
+
+    # The request header between ranks is int64s: floats travel as their IEEE-754 bits.
+    def as_ints(self) -> list[int]:
+        return [_bits(self.temperature), _bits(self.top_p), -1 if self.seed is None else self.seed]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> SamplingParams:
+        t, p, seed = ints
+        return cls(_float(t), _float(p), None if seed < 0 else seed)
+
+
+GREEDY = SamplingParams()
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", i))[0]
+
+
+class Sampler:
+    """Picks tokens for one sequence."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(62))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        if self.generator is None:
+            return int(torch.argmax(logits))
+        p = self.params
+        probs = torch.softmax(logits.detach().float().cpu() / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
+            sorted_probs[before >= p.top_p] = 0.0  # the top token always stays (its "before" is 0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

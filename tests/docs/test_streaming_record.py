@@ -1,0 +1,42 @@
+"""The streaming-clients record(s) in docs/benchmarks/ (``python -m wcache.bench_http``): fit to
+publish, and shown on docs/benchmarks.md as they are. docs/benchmarks.md's block runs the bench
+itself against a real `wcache serve`."""
+
+from __future__ import annotations
+
+import copy
+
+import doc_tables
+import plot_bench
+from wcache import bench_http
+
+
+def published() -> list[tuple]:
+    return doc_tables.streaming_records()
+
+
+def test_a_16_client_record_is_published_and_fit():
+    found = published()
+    assert any(d[bench_http.RECORD_KEY] >= 16 for _, d in found), [p.name for p, _ in found]
+    for path, d in found:
+        assert bench_http.problems(d) == [], path.name
+        assert d["device"] == "cpu" and d["model"] == "tiny" and d["torch"] and d["date"] and d["machine"]
+
+
+def test_the_page_shows_every_record_with_its_figures():
+    page = (plot_bench.BENCH_DIR.parent / "benchmarks.md").read_text(encoding="utf-8")
+    assert doc_tables.http_streaming() in page
+    for path, d in published():
+        row = next(line for line in page.splitlines() if path.name in line)
+        assert f"| {d['ttft_s']['p50']:.2f} s | {d['ttft_s']['p99']:.2f} s |" in row
+
+
+def test_an_unfit_record_is_named():
+    _, good = published()[-1]
+    bad = copy.deepcopy(good)
+    bad["completed"] -= 1
+    bad["refused"] = 1
+    bad["ttft_s"]["p50"] = bad["ttft_s"]["p99"] + 1
+    out = bench_http.problems(bad)
+    assert len(out) == 3 and "streams complete" in out[0] and "refused" in out[1] and "out of order" in out[2]
+    assert bench_http.problems({}) and "missing key" in bench_http.problems({})[0]

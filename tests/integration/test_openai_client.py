@@ -1,0 +1,141 @@
+"""The official `openai` Python client against a real `wcache serve` (tiny preset, CPU): what an
+operator's OpenAI-compatible client sees, completions, streaming, sampling, the model list, and
+every refusal as the client's own exception class with vLLM's status and message."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def engine(module_procs, tiny_model):
+    return module_procs.serve(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--no-enable-autotune")
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    # max_retries=0: a refusal must arrive as it is, not be retried
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{engine.port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> str:
+    return str(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def greedy(client, model):
+    """The greedy completion every other answer is compared with (no sampling field sent)."""
+    return client.completions.create(model=model, prompt="Hello", max_tokens=24)
+
+
+def streamed(client, **kw) -> tuple[str, list]:
+    chunks = list(client.completions.create(stream=True, **kw))
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+def test_completion(greedy, model):
+    [choice] = greedy.choices
+    assert greedy.object == "text_completion" and greedy.model == model and greedy.id.startswith("cmpl-")
+    assert choice.finish_reason in ("length", "stop") and isinstance(choice.text, str) and choice.text
+    assert greedy.usage.prompt_tokens == 6 and greedy.usage.completion_tokens == len(choice.token_ids)
+
+
+def test_temperature_0_is_the_greedy_output(client, model, greedy):
+    again = client.completions.create(model=model, prompt="Hello", max_tokens=24, temperature=0)
+    assert again.choices[0].text == greedy.choices[0].text
+    assert again.choices[0].token_ids == greedy.choices[0].token_ids
+
+
+def test_stream_chunks_join_to_the_completion(client, model, greedy):
+    text, chunks = streamed(client, model=model, prompt="Hello", max_tokens=24)
+    assert text == greedy.choices[0].text
+    assert len(chunks) >= 3  # a chunk per piece of text, not one body
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason == greedy.choices[0].finish_reason
+
+
+def test_stream_usage_comes_last_when_asked(client, model, greedy):
+    text, chunks = streamed(client, model=model, prompt="Hello", max_tokens=24,
+                            stream_options={"include_usage": True})
+    assert text == greedy.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == greedy.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(client, model, greedy):
+    kw = dict(model=model, prompt="Hello", max_tokens=24, temperature=1.5)
+    a = client.completions.create(seed=7, **kw).choices[0]
+    b = client.completions.create(seed=7, **kw).choices[0]
+    assert a.token_ids == b.token_ids
+    others = {tuple(client.completions.create(seed=s, **kw).choices[0].token_ids) for s in (8, 9, 10)}
+    assert others | {tuple(a.token_ids)} != {tuple(greedy.choices[0].token_ids)} and len(others | {tuple(a.token_ids)}) > 1
+    text, _ = streamed(client, seed=7, **kw)  # the stream draws the same tokens
+    assert text == a.text
+
+
+def test_a_tiny_top_p_keeps_only_the_top_token(client, model, greedy):
+    c = client.completions.create(model=model, prompt="Hello", max_tokens=24, temperature=1.5, top_p=1e-9, seed=3)
+    assert c.choices[0].token_ids == greedy.choices[0].token_ids
+
+
+def test_stop_ends_the_text_before_the_stop_string(client, model, greedy):
+    text = greedy.choices[0].text
+    stop = text[4:6]
+    want = text[:text.find(stop)]
+    c = client.completions.create(model=model, prompt="Hello", max_tokens=24, stop=[stop, "never-seen"])
+    assert (c.choices[0].text, c.choices[0].finish_reason) == (want, "stop")
+    assert c.model_extra is not None and c.choices[0].model_extra["stop_reason"] == stop
+    assert streamed(client, model=model, prompt="Hello", max_tokens=24, stop=stop)[0] == want
+
+
+def test_models_list(client, model):
+    [card] = client.models.list().data
+    assert card.id == model and card.object == "model" and card.owned_by == "wcache"
+    assert card.model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+REFUSED = {  # name: (keyword arguments, the field the message names)
+    "n=2": (dict(n=2), "'n' is not supported by wcache serve"),
+    "best_of=2": (dict(best_of=2), "'best_of' is not supported"),
+    "logprobs=1": (dict(logprobs=1), "'logprobs' is not supported"),
+    "echo": (dict(echo=True), "'echo' is not supported"),
+    "presence_penalty": (dict(presence_penalty=0.5), "'presence_penalty' is not supported"),
+    "suffix": (dict(suffix="x"), "'suffix' is not supported"),
+    "unknown field": (dict(extra_body={"top_k": 5}), "Unknown field 'top_k'"),
+    "temperature < 0": (dict(temperature=-1), "'temperature' must be a number from 0 to 2, got -1"),
+    "top_p > 1": (dict(top_p=1.5), "'top_p' must be a number in (0, 1], got 1.5"),
+    "seed < 0": (dict(seed=-1), "'seed' must be an integer"),
+    "stop of 5": (dict(stop=["a", "b", "c", "d", "e"]), "'stop' must be a string or a list of at most 4"),
+    "max_tokens too many": (dict(max_tokens=MAX_MODEL_LEN), "'max_tokens' must be between 1 and 58"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refusals_are_bad_request_errors_naming_the_field(client, model, case):
+    kw, message = REFUSED[case]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="Hello", **{"max_tokens": 4, **kw})
+    assert e.value.status_code == 400 and message in e.value.body["message"], e.value.body
+    assert e.value.body["type"] == "BadRequestError" and e.value.body["code"] == 400
+
+
+def test_an_unknown_model_is_not_found_with_vllms_message(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="other", prompt="Hello", max_tokens=4)
+    assert e.value.status_code == 404
+    assert e.value.body == {"message": "The model `other` does not exist.", "type": "NotFoundError",
+                            "param": "model", "code": 404}
+
+
+def test_chat_is_refused_as_vllm_refuses_a_model_without_a_chat_template(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}])
+    assert e.value.status_code == 400
+    assert e.value.body["message"].startswith("As of transformers v4.44, default chat template is no longer allowed")
+    with pytest.raises(openai.NotFoundError):  # the model is checked first, as vLLM does
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "Hello"}])
