@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from tools.docs_runner import ROOT
+from tools.docs_runner.handlers.output import match_output
 from tools.docs_runner.coverage import Recorder, coverage, disposition, format_summary
 from tools.docs_runner.markers import MarkerError
 from tools.docs_runner.page import BlockFailure, PageRunner, run_page
@@ -320,6 +321,20 @@ def test_expect_output_in_order_with_log_prefixes(tmp_path: Path) -> None:
     # A prefix is only tolerated when it looks like a log prefix, not arbitrary text.
     with pytest.raises(BlockFailure, match="expected line not found"):
         run(tmp_path, "# P\n\n```bash\necho 'not done'\n```\n\n<!-- block: expect-output -->\n```text\ndone\n```\n")
+
+
+@pytest.mark.parametrize("expected, printed", [
+    ("0", "10"),  # docs/parallelism.md shows `0` sockets left: 10 must not pass
+    ("2 passed", "12 passed"),
+    ("Mapped 27 tensors", "ERROR: Mapped 27 tensors"),
+    ("Mapped 27 tensors", "ERROR 12-03 10:52:58 [wcache.daemon] Mapped 27 tensors"),
+    ("Mapped 27 tensors", "xMapped 27 tensors"),
+])
+def test_a_log_prefix_is_whole_words_and_never_an_error_level(expected, printed) -> None:
+    assert match_output(expected, [("out", printed)]) is not None
+    # the same line with a real log prefix, or none, matches
+    assert match_output(expected, [("out", expected)]) is None
+    assert match_output(expected, [("out", f"INFO 12-03 10:52:58 [wcache.daemon] {expected}")]) is None
 
 
 def test_expect_output_needs_a_previous_bash_block(tmp_path: Path) -> None:

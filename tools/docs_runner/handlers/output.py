@@ -1,19 +1,24 @@
 """``expect-output`` blocks: each non-empty line must appear in what the previous bash block printed
 or in the logs its background commands write, in order within each of those outputs. ``...`` in a
 line matches any text, and a leading timestamp / log level / logger name in the output is
-tolerated, so the guide can show a log line without its time."""
+tolerated (each part ending at whitespace; not an error level), so the guide can show a log line
+without its time."""
 
 from __future__ import annotations
 
 import re
 
 # What may precede a log message: timestamps, level names, [file.py:12], (pid=1), logger names.
+# Each must end at whitespace, so a prefix never eats part of a word or number: an expected ``0``
+# does not match ``10``, nor ``2 passed`` ``12 passed``. Only the levels of a line that reports
+# no failure are tolerated: a line the guide shows without ``ERROR`` must not have been an error.
 _PREFIX = (
     r"(?:(?:\d[\d\-/:.,T+Z]*"
     r"|\[[^\]]*\]"
     r"|\([^)]*\)"
-    r"|(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b:?"
-    r"|[A-Za-z_][\w.\-]*:(?=\s))\s*)*"
+    r"|(?:DEBUG|INFO|WARNING|WARN):?"
+    r"|(?!(?:ERROR|CRITICAL|FATAL):)[A-Za-z_][\w.\-]*:"
+    r")\s+)*"
 )
 
 
