@@ -337,6 +337,39 @@ def test_a_log_prefix_is_whole_words_and_never_an_error_level(expected, printed)
     assert match_output(expected, [("out", f"INFO 12-03 10:52:58 [wcache.daemon] {expected}")]) is None
 
 
+def test_an_error_line_shown_without_its_level_only_passes_after_an_expect_fail_block() -> None:
+    printed = [("out", "ERROR 12-03 10:57:35 [wcache.cli] wcache serve runs one engine per rank")]
+    assert match_output("wcache serve runs one engine per rank", printed) is not None
+    assert match_output("wcache serve runs one engine per rank", printed, error_levels=True) is None
+    assert match_output("ERROR ... wcache serve runs one engine per rank", printed) is None
+
+
+LOADER_FAIL = """
+# P
+
+<!-- block: loader-config expect-fail -->
+```json
+BODY
+```
+
+<!-- block: expect-output -->
+```text
+Unknown ipc_cache loader key(s) ['fallbak']; valid keys: ...
+```
+"""
+
+
+def test_an_expect_fail_json_block_checks_its_rejection_message(tmp_path: Path) -> None:
+    run(tmp_path, LOADER_FAIL.replace("BODY", '{"fallbak": false}'))
+    # Negative controls: another rejection, a parse error, and no message shown all fail the page.
+    with pytest.raises(BlockFailure, match="(?s)expected line not found.*rejection of the json block"):
+        run(tmp_path, LOADER_FAIL.replace("BODY", '{"mode": "nope"}'))
+    with pytest.raises(BlockFailure, match="(?s)expected line not found.*rejection of the json block"):
+        run(tmp_path, LOADER_FAIL.replace("BODY", '{"fallbak": fal'))
+    with pytest.raises(BlockFailure, match="must be followed by an expect-output block"):
+        run(tmp_path, LOADER_FAIL.split("<!-- block: expect-output -->")[0].replace("BODY", '{"fallbak": false}'))
+
+
 def test_expect_output_needs_a_previous_bash_block(tmp_path: Path) -> None:
     with pytest.raises(BlockFailure, match="no bash block ran before it"):
         run(tmp_path, "# P\n\n<!-- block: expect-output -->\n```text\nx\n```\n")
@@ -580,6 +613,11 @@ def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path) -> None:
             httpGet: {path: /health, port: 8001}
             failureThreshld: 60
     ```
+
+    <!-- block: expect-output -->
+    ```text
+    kubernetes 1.30.0 (strict) Pod: /spec/containers/0/startupProbe: ... ('failureThreshld' was unexpected)
+    ```
     """
     run(tmp_path, full)
     with pytest.raises(BlockFailure, match="failureThreshld"):
@@ -595,7 +633,8 @@ def test_json_blocks(tmp_path: Path) -> None:
 def test_loader_config_is_checked_by_wcache(tmp_path: Path) -> None:
     with pytest.raises(BlockFailure, match="LoaderConfigError"):
         run(tmp_path, '# P\n\n<!-- block: loader-config -->\n```json\n{"moed": "copy"}\n```\n')
-    run(tmp_path, '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n')
+    run(tmp_path, '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n\n'
+                  '<!-- block: expect-output -->\n```text\nUnknown ipc_cache loader key(s) [\'moed\']; ...\n```\n')
 
 
 # --- background preload / serve and `wcache wait` (stand-in servers, the real wait) -----------
