@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tools.docs_runner import ROOT
 from tools.docs_runner.handlers.output import match_output
-from tools.docs_runner.coverage import Recorder, coverage, disposition, format_summary
+from tools.docs_runner.coverage import SUBSTITUTED, Recorder, coverage, disposition, format_summary
 from tools.docs_runner.markers import MarkerError
 from tools.docs_runner.page import BlockFailure, PageRunner, run_page
 from tools.docs_runner.parse import extract_blocks
@@ -393,6 +393,21 @@ def test_substitutions_are_applied_and_counted(tmp_path: Path) -> None:
     run(tmp_path, text, recorder=recorder, substitutions=subs)
     assert sum(recorder.substitutions_applied.values()) == 2
     assert "'--device cuda' -> '--device cpu' (applied 1x)" in format_summary([], recorder, subs)
+    # A rewritten block is not counted as run as written: CI ran another command than the reader's.
+    assert [r.kind for r in recorder.results] == [SUBSTITUTED, "validated"]
+    blocks = extract_blocks(tmp_path / "page.md", tmp_path)
+    assert "run 0 as written and 1 under a substitution" in format_summary(blocks, recorder, subs)
+    assert disposition(blocks[0], gpu=True, subs=subs)[0] == "run"  # on a GPU host it runs as written
+    assert disposition(blocks[0], gpu=False, subs=[])[0] == "run"
+
+
+def test_the_vmm_fd_block_counts_as_a_substituted_run_on_a_cpu() -> None:
+    """docs/gpu-transports.md's vmm_fd daemon and engine run the memfd transport on CI."""
+    subs = load_substitutions()
+    [block] = [b for b in extract_blocks(ROOT / "docs" / "gpu-transports.md")
+               if b.lang == "bash" and "--weight-cache-transport vmm_fd" in b.source and not b.marker]
+    assert disposition(block, gpu=False, subs=subs) == (SUBSTITUTED, "bash, '--device cuda' -> '--device cpu'")
+    assert disposition(block, gpu=True, subs=subs) == ("run", "bash")
 
 
 def test_background_jobs_are_stopped_at_the_end_of_the_page(tmp_path: Path) -> None:

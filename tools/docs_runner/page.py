@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from . import ROOT
-from .coverage import RUN, SKIPPED, UNMARKED, VALIDATED, Recorder, disposition, gpu_mode
+from .coverage import RUN, SKIPPED, SUBSTITUTED, UNMARKED, VALIDATED, Recorder, disposition, gpu_mode, rewrites
 from .handlers import bash, output, validate
 from .handlers.python import PythonWorker
 from .markers import MarkerError
@@ -136,8 +136,10 @@ class PageRunner:
             self._fail(block, "an expect-fail YAML/JSON block must be followed by an expect-output block with the "
                               "rejection it shows (any rejection, a parse error included, would pass otherwise)")
         if block.lang == "bash":
-            self.run_bash(block, expect_fail)
-            self._record(block, RUN, "bash")
+            if self.run_bash(block, expect_fail):
+                self._record(block, SUBSTITUTED, "bash, " + ", ".join(rewrites(block, self.substitutions, self.gpu)))
+            else:
+                self._record(block, RUN, "bash")
         elif block.lang == "python":
             self.run_python(block)
             self._record(block, RUN, "python")
@@ -162,7 +164,8 @@ class PageRunner:
 
     # -- bash ---------------------------------------------------------------------------------
 
-    def run_bash(self, block: Block, expect_fail: bool) -> None:
+    def run_bash(self, block: Block, expect_fail: bool) -> bool:
+        """Run a bash block as the reader would; whether a substitution rewrote it first."""
         problem = bash.check_pasteable(block.source, expect_fail)
         if problem:
             self._fail(block, problem)
@@ -180,6 +183,7 @@ class PageRunner:
             self._fail(block, f"marked expect-fail but exited 0\n{self._output_tail()}")
         if not expect_fail and result.rc != 0:
             self._fail(block, f"exited {result.rc}\n{self._output_tail()}")
+        return script != block.source
 
     def _sources(self) -> list[tuple[str, str]]:
         assert self.last_bash is not None
