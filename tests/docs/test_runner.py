@@ -816,7 +816,7 @@ def test_list_command(tmp_path: Path) -> None:
     ).stdout
     assert "page.md:3" in out and "run" in out
     assert "page.md:8" in out and "skipped (multi-node)" in out
-    assert "run 1, validated 0, skipped 1, unmarked 0" in out
+    assert "run 1 as written and 0 under a substitution, validated 0, skipped 1, unmarked 0" in out
 
 
 def test_smoke_with_real_make_checkpoint(tmp_path: Path) -> None:
