@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from tools.docs_runner import ROOT
-from tools.docs_runner.coverage import Recorder, coverage, disposition, format_summary
+from tools.docs_runner.handlers.output import match_output
+from tools.docs_runner.coverage import SUBSTITUTED, Recorder, coverage, disposition, format_summary
 from tools.docs_runner.markers import MarkerError
 from tools.docs_runner.page import BlockFailure, PageRunner, run_page
 from tools.docs_runner.parse import extract_blocks
@@ -322,6 +323,53 @@ def test_expect_output_in_order_with_log_prefixes(tmp_path: Path) -> None:
         run(tmp_path, "# P\n\n```bash\necho 'not done'\n```\n\n<!-- block: expect-output -->\n```text\ndone\n```\n")
 
 
+@pytest.mark.parametrize("expected, printed", [
+    ("0", "10"),  # docs/parallelism.md shows `0` sockets left: 10 must not pass
+    ("2 passed", "12 passed"),
+    ("Mapped 27 tensors", "ERROR: Mapped 27 tensors"),
+    ("Mapped 27 tensors", "ERROR 12-03 10:52:58 [wcache.daemon] Mapped 27 tensors"),
+    ("Mapped 27 tensors", "xMapped 27 tensors"),
+])
+def test_a_log_prefix_is_whole_words_and_never_an_error_level(expected, printed) -> None:
+    assert match_output(expected, [("out", printed)]) is not None
+    # the same line with a real log prefix, or none, matches
+    assert match_output(expected, [("out", expected)]) is None
+    assert match_output(expected, [("out", f"INFO 12-03 10:52:58 [wcache.daemon] {expected}")]) is None
+
+
+def test_an_error_line_shown_without_its_level_only_passes_after_an_expect_fail_block() -> None:
+    printed = [("out", "ERROR 12-03 10:57:35 [wcache.cli] wcache serve runs one engine per rank")]
+    assert match_output("wcache serve runs one engine per rank", printed) is not None
+    assert match_output("wcache serve runs one engine per rank", printed, error_levels=True) is None
+    assert match_output("ERROR ... wcache serve runs one engine per rank", printed) is None
+
+
+LOADER_FAIL = """
+# P
+
+<!-- block: loader-config expect-fail -->
+```json
+BODY
+```
+
+<!-- block: expect-output -->
+```text
+Unknown ipc_cache loader key(s) ['fallbak']; valid keys: ...
+```
+"""
+
+
+def test_an_expect_fail_json_block_checks_its_rejection_message(tmp_path: Path) -> None:
+    run(tmp_path, LOADER_FAIL.replace("BODY", '{"fallbak": false}'))
+    # Negative controls: another rejection, a parse error, and no message shown all fail the page.
+    with pytest.raises(BlockFailure, match="(?s)expected line not found.*rejection of the json block"):
+        run(tmp_path, LOADER_FAIL.replace("BODY", '{"mode": "nope"}'))
+    with pytest.raises(BlockFailure, match="(?s)expected line not found.*rejection of the json block"):
+        run(tmp_path, LOADER_FAIL.replace("BODY", '{"fallbak": fal'))
+    with pytest.raises(BlockFailure, match="must be followed by an expect-output block"):
+        run(tmp_path, LOADER_FAIL.split("<!-- block: expect-output -->")[0].replace("BODY", '{"fallbak": false}'))
+
+
 def test_expect_output_needs_a_previous_bash_block(tmp_path: Path) -> None:
     with pytest.raises(BlockFailure, match="no bash block ran before it"):
         run(tmp_path, "# P\n\n<!-- block: expect-output -->\n```text\nx\n```\n")
@@ -345,6 +393,21 @@ def test_substitutions_are_applied_and_counted(tmp_path: Path) -> None:
     run(tmp_path, text, recorder=recorder, substitutions=subs)
     assert sum(recorder.substitutions_applied.values()) == 2
     assert "'--device cuda' -> '--device cpu' (applied 1x)" in format_summary([], recorder, subs)
+    # A rewritten block is not counted as run as written: CI ran another command than the reader's.
+    assert [r.kind for r in recorder.results] == [SUBSTITUTED, "validated"]
+    blocks = extract_blocks(tmp_path / "page.md", tmp_path)
+    assert "run 0 as written and 1 under a substitution" in format_summary(blocks, recorder, subs)
+    assert disposition(blocks[0], gpu=True, subs=subs)[0] == "run"  # on a GPU host it runs as written
+    assert disposition(blocks[0], gpu=False, subs=[])[0] == "run"
+
+
+def test_the_vmm_fd_block_counts_as_a_substituted_run_on_a_cpu() -> None:
+    """docs/gpu-transports.md's vmm_fd daemon and engine run the memfd transport on CI."""
+    subs = load_substitutions()
+    [block] = [b for b in extract_blocks(ROOT / "docs" / "gpu-transports.md")
+               if b.lang == "bash" and "--weight-cache-transport vmm_fd" in b.source and not b.marker]
+    assert disposition(block, gpu=False, subs=subs) == (SUBSTITUTED, "bash, '--device cuda' -> '--device cpu'")
+    assert disposition(block, gpu=True, subs=subs) == ("run", "bash")
 
 
 def test_background_jobs_are_stopped_at_the_end_of_the_page(tmp_path: Path) -> None:
@@ -565,6 +628,11 @@ def test_kubernetes_pod_specs_are_validated_strictly(tmp_path: Path) -> None:
             httpGet: {path: /health, port: 8001}
             failureThreshld: 60
     ```
+
+    <!-- block: expect-output -->
+    ```text
+    kubernetes 1.30.0 (strict) Pod: /spec/containers/0/startupProbe: ... ('failureThreshld' was unexpected)
+    ```
     """
     run(tmp_path, full)
     with pytest.raises(BlockFailure, match="failureThreshld"):
@@ -580,7 +648,8 @@ def test_json_blocks(tmp_path: Path) -> None:
 def test_loader_config_is_checked_by_wcache(tmp_path: Path) -> None:
     with pytest.raises(BlockFailure, match="LoaderConfigError"):
         run(tmp_path, '# P\n\n<!-- block: loader-config -->\n```json\n{"moed": "copy"}\n```\n')
-    run(tmp_path, '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n')
+    run(tmp_path, '# P\n\n<!-- block: loader-config expect-fail -->\n```json\n{"moed": "copy"}\n```\n\n'
+                  '<!-- block: expect-output -->\n```text\nUnknown ipc_cache loader key(s) [\'moed\']; ...\n```\n')
 
 
 # --- background preload / serve and `wcache wait` (stand-in servers, the real wait) -----------
@@ -747,7 +816,7 @@ def test_list_command(tmp_path: Path) -> None:
     ).stdout
     assert "page.md:3" in out and "run" in out
     assert "page.md:8" in out and "skipped (multi-node)" in out
-    assert "run 1, validated 0, skipped 1, unmarked 0" in out
+    assert "run 1 as written and 0 under a substitution, validated 0, skipped 1, unmarked 0" in out
 
 
 def test_smoke_with_real_make_checkpoint(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -438,32 +439,208 @@ def test_troubleshooting_messages_are_the_codes_texts():
         "\n".join(unknown)
 
 
-def _strings(source: str) -> list[str]:
-    """The string literals of a Python source as the interpreter sees them (implicit concatenation
-    joined), f-strings as their literal parts."""
-    out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            out.append(node.value)
+# What a test asserts appears. Only these count as a test producing a message: an operand of an
+# assert (``in``, ``==``, a truth test, a call in it), ``pytest.raises(match=...)``, the predicate
+# of a poller that fails when it never holds (POLLERS), and an argument that a helper of the tests
+# asserts (found the same way: ``check(code, out, message)`` asserts ``message in out``). An
+# import, a comment, a ``not in`` / ``!=`` assertion (the message must NOT appear) and a comparison
+# of literals with literals do not. A name counts through what it was bound to in its function or
+# at module level (an assignment, a ``for`` target, a ``parametrize`` argument).
+NEGATIVE_OPS = (ast.NotIn, ast.NotEq, ast.IsNot)
+POLLERS = {"wait_until", "wait_for"}  # tests/procs.py: raise AssertionError when the predicate never holds
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@dataclass
+class Asserted:
+    """The string literals, template names and plain names in the positive assertions of tests."""
+    strings: list[str] = field(default_factory=list)
+    symbols: set[str] = field(default_factory=set)
+    names: set[str] = field(default_factory=set)
+
+    def add(self, other: "Asserted") -> None:
+        self.strings += other.strings
+        self.symbols |= other.symbols
+        self.names |= other.names
+
+
+def _symbol_of(node: ast.AST) -> str | None:
+    """``NAME``, ``Class.NAME`` (the last two parts of an attribute chain) or ``NAME["key"]``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        base = _symbol_of(node.value)
+        return f'{base.split(".")[-1]}["{node.slice.value}"]' if base else None
+    if isinstance(node, ast.Attribute):
+        owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
+        return f"{owner}.{node.attr}" if owner else node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return None
+
+
+def _constant_only(node: ast.AST) -> bool:
+    """An expression made of literals only (a test comparing it proves nothing about the code)."""
+    return all(isinstance(n, (ast.Constant, ast.JoinedStr, ast.FormattedValue, ast.Tuple, ast.List, ast.BinOp,
+                              ast.operator, ast.expr_context))
+               for n in ast.walk(node))
+
+
+def _bindings(scope: ast.AST) -> dict[str, list[ast.AST]]:
+    """What each name of a function (or of a module, outside its functions) was bound to."""
+    if isinstance(scope, ast.Module):
+        nodes = [n for stmt in scope.body if not isinstance(stmt, (*FUNCTIONS, ast.ClassDef)) for n in ast.walk(stmt)]
+    else:
+        nodes = list(ast.walk(scope))
+    out: dict[str, list[ast.AST]] = {}
+    for n in nodes:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+            targets, value = (n.targets if isinstance(n, ast.Assign) else [n.target]), n.value
+        elif isinstance(n, (ast.For, ast.comprehension)):
+            targets, value = [n.target], n.iter
+        elif isinstance(n, ast.NamedExpr):
+            targets, value = [n.target], n.value
+        else:
+            continue
+        for t in targets:
+            for name in ast.walk(t):
+                if isinstance(name, ast.Name):
+                    out.setdefault(name.id, []).append(value)
+    for deco in getattr(scope, "decorator_list", []):  # @pytest.mark.parametrize("a, b", [...])
+        if isinstance(deco, ast.Call) and _symbol_of(deco.func) == "mark.parametrize" and len(deco.args) >= 2 \
+                and isinstance(deco.args[0], ast.Constant):
+            for name in re.split(r"[,\s]+", str(deco.args[0].value)):
+                if name:
+                    out.setdefault(name, []).append(deco.args[1])
     return out
 
 
-def _test_corpus() -> tuple[str, list[str]]:
-    """The string literals of the test sources (tests/docs excluded: the runner's tests and these
-    quote texts as data) and the expect-output blocks of the guide, which CI checks against real
-    processes; and the test sources' lines that are not imports, to find template names in."""
-    strings, code_lines = [], []
-    for p in sorted(TESTS.rglob("*.py")):
-        if p.relative_to(TESTS).parts[0] == "docs":
-            continue
-        source = p.read_text(encoding="utf-8")
-        strings += _strings(source)
-        code_lines += [ln for ln in source.splitlines() if not re.match(r"\s*(from|import)\s", ln)]
+def _params(fn: ast.AST) -> list[str]:
+    names = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+    return names[1:] if names[:1] == ["self"] else names
+
+
+class _Scan:
+    """What the positive assertions of one scope (a function, or a module's top level) mention.
+    ``helpers``: function name -> the parameters it asserts appear (see the comment above)."""
+
+    def __init__(self, scope: ast.AST, bindings: dict, helpers: dict[str, set[str]]):
+        self.bindings, self.helpers, self.found = bindings, helpers, Asserted()
+        body = scope.body if isinstance(scope, ast.Module) else [scope]
+        for stmt in body:
+            for node in self._walk(stmt, scope):
+                if isinstance(node, ast.Assert):
+                    self._positive(node.test, set())
+                elif isinstance(node, ast.Call):
+                    self._call(node)
+
+    @staticmethod
+    def _walk(node: ast.AST, scope: ast.AST):
+        """ast.walk, without descending into nested functions and classes (their own scopes)."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if n is not scope and isinstance(n, (*FUNCTIONS, ast.ClassDef)):
+                continue
+            yield n
+            todo.extend(ast.iter_child_nodes(n))
+
+    def _call(self, node: ast.Call) -> None:
+        name = (_symbol_of(node.func) or "").split(".")[-1]
+        if name == "raises":
+            for kw in node.keywords:
+                if kw.arg == "match":
+                    self._mentions(kw.value, set())
+        if name in POLLERS and node.args and isinstance(node.args[0], ast.Lambda):
+            self._positive(node.args[0].body, set())
+        if name in self.helpers:
+            params = self.helpers[name]
+            for i, arg in enumerate(node.args):
+                if ("#", i) in params:
+                    self._mentions(arg, set())
+            for kw in node.keywords:
+                if kw.arg in params:
+                    self._mentions(kw.value, set())
+
+    def _positive(self, node: ast.AST, seen: set) -> None:
+        """An asserted expression: everything in it counts but negated comparisons, ``not`` and
+        one side of an ``or``."""
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            return
+        if isinstance(node, ast.BoolOp):
+            for v in node.values:
+                self._positive(v, seen)
+            return
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(op, NEGATIVE_OPS) for op in node.ops) or all(_constant_only(o) for o in operands):
+                return
+            for o in operands:
+                self._mentions(o, seen)
+            return
+        self._mentions(node, seen)
+
+    def _mentions(self, node: ast.AST, seen: set) -> None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                self.found.strings.append(n.value)
+            sym = _symbol_of(n) if isinstance(n, (ast.Subscript, ast.Attribute, ast.Name)) else None
+            if sym:
+                self.found.symbols |= {sym, sym.split(".")[-1]}
+            if isinstance(n, ast.Name):
+                self.found.names.add(n.id)
+                if n.id in self.bindings and n.id not in seen:
+                    for value in self.bindings[n.id]:
+                        self._mentions(value, seen | {n.id})
+
+
+def _scopes(tree: ast.Module):
+    """(scope, its bindings, module bindings included) for a module's top level and each function."""
+    module = _bindings(tree)
+    yield tree, module
+    for fn in (n for n in ast.walk(tree) if isinstance(n, FUNCTIONS)):
+        yield fn, {**module, **_bindings(fn)}
+
+
+def assertion_helpers(trees: list[ast.Module]) -> dict[str, set]:
+    """Functions of the tests that assert one of their parameters appears, by name, with those
+    parameters (by name and as ("#", position)). A name defined twice must assert the same ones."""
+    helpers: dict[str, set] = {}
+    for _ in range(3):  # helpers that call helpers
+        found: dict[str, set] = {}
+        for tree in trees:
+            for fn, bindings in _scopes(tree):
+                if isinstance(fn, ast.Module) or fn.name.startswith("test_"):
+                    continue
+                params = _params(fn)
+                names = _Scan(fn, {k: v for k, v in bindings.items() if k not in params}, helpers).found.names
+                mine = {p for p in params if p in names} | {("#", i) for i, p in enumerate(params) if p in names}
+                found[fn.name] = found[fn.name] & mine if fn.name in found else mine
+        helpers = {k: v for k, v in found.items() if v}
+    return helpers
+
+
+def asserted_in(sources: list[str]) -> Asserted:
+    """What the positive assertions of these test modules mention (see the comment above)."""
+    trees = [ast.parse(s) for s in sources]
+    helpers = assertion_helpers(trees)
+    found = Asserted()
+    for tree in trees:
+        for scope, bindings in _scopes(tree):
+            found.add(_Scan(scope, bindings, helpers).found)
+    return found
+
+
+def _test_corpus() -> Asserted:
+    """What the tests assert appears (tests/docs excluded: the runner's tests and these quote texts
+    as data), and the expect-output blocks of the guide, which CI checks against real processes."""
+    found = asserted_in([p.read_text(encoding="utf-8") for p in sorted(TESTS.rglob("*.py"))
+                         if p.relative_to(TESTS).parts[0] != "docs"])
     for p in sorted(DOCS.rglob("*.md")):
         for b in extract_blocks(p):
             if b.marker and b.marker.has("expect-output"):
-                strings.append(b.source)
-    return "\n".join(strings), code_lines
+                found.strings.append(b.source)
+    return found
 
 
 def fixed_part(text: str) -> str:
@@ -472,17 +649,10 @@ def fixed_part(text: str) -> str:
     return max(runs, key=len, default="")
 
 
-def unasserted(texts: list[str], corpus: str, code_lines: list[str]) -> list[str]:
-    """Texts whose fixed part no test contains, literally or through the name of the template it
-    comes from (e.g. ``errors.REASONS["no_socket"].format(...)``)."""
-    code = "\n".join(code_lines)
-
-    def referenced(symbol: str) -> bool:
-        m = re.match(r'^(\w+)\["(\w+)"\]$', symbol)
-        if m:
-            return re.search(rf"\b{m.group(1)}\[\s*[\"']{m.group(2)}[\"']\s*\]", code) is not None
-        return re.search(rf"\b{re.escape(symbol)}\b", code) is not None
-
+def unasserted(texts: list[str], asserted: Asserted) -> list[str]:
+    """Texts whose fixed part no positive assertion contains, literally or through the name of the
+    template it comes from (e.g. ``assert reason == errors.REASONS["no_socket"].format(...)``)."""
+    corpus = "\n".join(asserted.strings)
     missing = []
     for text in texts:
         part = fixed_part(text)
@@ -491,24 +661,44 @@ def unasserted(texts: list[str], corpus: str, code_lines: list[str]) -> list[str
             continue
         if part in corpus:
             continue
-        named = [t for t in matching_templates(text) if t.symbols and all(referenced(s) for s in t.symbols)]
+        named = [t for t in matching_templates(text) if t.symbols and all(s in asserted.symbols for s in t.symbols)]
         if not any(part in t.text for t in named):
-            missing.append(f"{text}  (no test contains {part!r} or names its template)")
+            missing.append(f"{text}  (no test asserts {part!r} or its template appears)")
     return missing
 
 
 def test_every_troubleshooting_message_is_produced_by_a_test():
-    corpus, code_lines = _test_corpus()
-    missing = unasserted(troubleshooting_texts(), corpus, code_lines)
+    missing = unasserted(troubleshooting_texts(), _test_corpus())
     assert not missing, "messages in docs/troubleshooting.md that no test asserts:\n" + "\n".join(missing)
 
 
 def test_the_coverage_check_reports_an_unasserted_message():
+    """Negative controls: each way of mentioning a message without asserting it appears is refused."""
     text = "Weights were released"
-    assert unasserted([text], "assert reason == 'Weights were released'", []) == []
-    assert unasserted([text], "", ['assert reason == REASONS["released"]']) == []
-    assert unasserted([text], "", ["from wcache.errors import REASONS"]) != []
-    assert unasserted([text], "nothing here", ["nothing here"]) != []
+
+    def covered(source: str) -> bool:
+        return unasserted([text], asserted_in([source])) == []
+
+    assert covered("def test(r):\n    assert r == 'Weights were released'\n")
+    assert covered("def test(log):\n    assert 'Weights were released' in log\n")
+    assert covered('def test(r):\n    assert r == REASONS["released"]\n')
+    assert covered('def test(r):\n    want = errors.REASONS["released"].format()\n    assert (r, 1) == (want, 1)\n')
+    assert covered('@pytest.mark.parametrize("m", [REASONS["released"]])\ndef test(m, log):\n    assert m in log\n')
+    assert covered("def test():\n    with pytest.raises(E, match='Weights were released'):\n        go()\n")
+    assert not covered("from wcache.errors import (\n    REASONS,\n)\n")
+    assert not covered("def test(log):\n    # Weights were released\n    assert log\n")
+    assert not covered("def test(log):\n    assert 'Weights were released' not in log\n")
+    assert not covered('def test(r):\n    assert r != REASONS["released"]\n')
+    assert not covered("def test(log):\n    assert not ('Weights were released' in log)\n")
+    assert not covered("def test():\n    assert 'Weights were released' == 'Weights were released'\n")
+    assert not covered("def test(log):\n    print('Weights were released')\n    assert log\n")
+    assert not covered('def test(r):\n    assert r == REASONS["no_socket"]\n')
+    assert covered("def check(out, message):\n    assert message in out\n\n"
+                   "def test(out):\n    check(out, 'Weights were released')\n")
+    assert covered("def test(p):\n    wait_until(lambda: 'Weights were released' in p.log())\n")
+    assert not covered("def check(out, message):\n    assert message not in out\n\n"
+                       "def test(out):\n    check(out, 'Weights were released')\n")
+    assert not covered("def test(p):\n    wait_until(lambda: 'Weights were released' not in p.log())\n")
 
 
 CORE_PAGES = ["index.md", "quickstart.md", "how-it-works.md", "lifecycle.md", "configuration.md", "security.md",

@@ -1,20 +1,116 @@
 """Helpers of the attack tests: /proc probes of a live process (RSS, descriptors, threads) sampled
 while an attack runs, and the figures the tests measure, which docs/faults.md shows.
 
-The figures are written to docs/faults-attacks.json only when WCACHE_WRITE_FIGURES=1 (a run made to
-refresh the guide); otherwise a test only checks its bounds.
+Each figure is checked against the code's bound for it (BOUNDS) when it is measured, and again by
+tests/docs/test_fault_record.py in the published record. The record, docs/faults-attacks.json, is
+one run: written whole, with the run's commit and time, by a run of tests/faults/test_fault_attacks.py
+under WCACHE_WRITE_FIGURES=1 that measured every attack; never merged with an earlier run.
 """
 
 from __future__ import annotations
 
+import ast
+import datetime
 import json
+import math
 import os
+import platform
+import subprocess
 import threading
 import time
 from pathlib import Path
 
-FIGURES_FILE = Path(__file__).resolve().parents[2] / "docs" / "faults-attacks.json"
+from wcache.daemon.rank import EMFILE_LOG_EVERY_S, IN_FLIGHT_BYTES, REQUEST_TIMEOUT_S
+from wcache.engine.server import MAX_CONNECTIONS
+from wcache.wire.handback import ASK_BUDGET_S
+from wcache.wire.protocol import MAX_FDS
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES_FILE = ROOT / "docs" / "faults-attacks.json"
+ATTACKS_TEST = Path(__file__).with_name("test_fault_attacks.py")
+WRITE_ENV = "WCACHE_WRITE_FIGURES"
 FIGURES: dict[str, dict] = {}
+
+# Allowances for the measurement itself, not for the code: each says what it covers.
+CLOSE_SLACK_S = 0.5  # a thread waking after its deadline and closing a socket, on a busy machine
+POLL_S = 3.0  # the 1 B/s sender sends a byte, then polls 1 s for the close, and sendall may block
+THREADS_SLACK = 4  # the server's own threads (acceptor, logging) besides one per connection
+FLOOD_SLACK_FDS = 16  # the last segment of a frame may carry up to MAX_FDS more before it is counted
+AMPLIFICATION_MIB = 200  # 4 x 16 MiB frames held as bytes (+ allocator slack); was ~400 MiB each parsed
+
+# attack -> [(the bound, as the code and the page state it; the check)]
+BOUNDS: dict[str, list[tuple[str, object]]] = {
+    "6 silent offers": [
+        (f"asked_s <= ASK_BUDGET_S ({ASK_BUDGET_S:g}) + {CLOSE_SLACK_S}",
+         lambda f: f["asked_s"] <= ASK_BUDGET_S + CLOSE_SLACK_S)],
+    "a frame at 1 byte a second": [
+        (f"closed_after_s <= REQUEST_TIMEOUT_S ({REQUEST_TIMEOUT_S:g}) + {POLL_S}",
+         lambda f: f["closed_after_s"] <= REQUEST_TIMEOUT_S + POLL_S)],
+    "half-sent HTTP bodies": [
+        (f"threads_peak <= threads_before + MAX_CONNECTIONS ({MAX_CONNECTIONS}) + {THREADS_SLACK}",
+         lambda f: f["threads_peak"] <= f["threads_before"] + MAX_CONNECTIONS + THREADS_SLACK)],
+    "EMFILE on accept": [
+        (f"1 <= log_lines <= one per EMFILE_LOG_EVERY_S ({EMFILE_LOG_EVERY_S:g}) + 1",
+         lambda f: 1 <= f["log_lines"] <= math.ceil(f["seconds"] / EMFILE_LOG_EVERY_S) + 1)],
+    "large frames in flight": [
+        (f"rss_peak_mib - rss_before_mib <= IN_FLIGHT_BYTES ({IN_FLIGHT_BYTES >> 20} MiB)",
+         lambda f: f["rss_peak_mib"] - f["rss_before_mib"] <= IN_FLIGHT_BYTES >> 20)],
+    "memory amplification": [
+        (f"rss_peak_mib - rss_before_mib < {AMPLIFICATION_MIB}",
+         lambda f: f["rss_peak_mib"] - f["rss_before_mib"] < AMPLIFICATION_MIB)],
+    "descriptor flood": [
+        (f"fds_peak <= fds_before + flooders x (1 + 2 x MAX_FDS ({MAX_FDS})) + {FLOOD_SLACK_FDS}",
+         lambda f: f["fds_peak"] <= f["fds_before"] + f["flooders"] * (1 + 2 * MAX_FDS) + FLOOD_SLACK_FDS)],
+    "unread answers": [
+        ("fds_peak <= fds_before + 2 x connections (a socket and one unread descriptor each)",
+         lambda f: f["fds_peak"] <= f["fds_before"] + 2 * f["connections"])],
+    "forged hand-back": [("adopted is false", lambda f: f["adopted"] is False)],
+}
+
+
+def bound_problems(attack: str, values: dict) -> list[str]:
+    """The bounds of BOUNDS[attack] that these figures break (a missing figure breaks its bound)."""
+    out = []
+    for text, check in BOUNDS.get(attack, []):
+        try:
+            ok = check(values)
+        except KeyError as e:
+            ok, text = False, f"{text} (no figure {e})"
+        if not ok:
+            out.append(f"{attack}: {text} does not hold for {values}")
+    return out
+
+
+def measured_attacks(source: str | None = None) -> set[str]:
+    """The attacks test_fault_attacks.py records a figure for: the first argument of each figure()."""
+    tree = ast.parse(source if source is not None else ATTACKS_TEST.read_text(encoding="utf-8"))
+    return {n.args[0].value for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "figure"
+            and n.args and isinstance(n.args[0], ast.Constant)}
+
+
+def run_record(figures: dict[str, dict]) -> dict:
+    """One run's record: when, at which commit, on what, and every attack's figures."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"run": {"utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else ""),
+                    "command": f"{WRITE_ENV}=1 .venv/bin/python -m pytest tests/faults/test_fault_attacks.py",
+                    "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_1m": round(os.getloadavg()[0], 2)},
+            "attacks": dict(sorted(figures.items()))}
+
+
+def publish() -> None:
+    """Write this run's record over docs/faults-attacks.json, if asked to and if it is complete."""
+    if os.environ.get(WRITE_ENV) != "1":
+        return
+    missing = measured_attacks() - set(FIGURES)
+    if missing:
+        raise AssertionError(f"{WRITE_ENV}=1: not written, this run did not measure {sorted(missing)} "
+                             "(a record is one whole run: run every test of test_fault_attacks.py)")
+    FIGURES_FILE.write_text(json.dumps(run_record(FIGURES), indent=2) + "\n")
 
 
 def rss_mib(pid: int) -> float:
@@ -61,14 +157,11 @@ class Peak:
 
 
 def figure(attack: str, **values) -> None:
-    FIGURES[attack] = {k: round(v, 2) if isinstance(v, float) else v for k, v in values.items()}
-    if os.environ.get("WCACHE_WRITE_FIGURES") == "1":
-        try:
-            old = json.loads(FIGURES_FILE.read_text())
-        except (OSError, ValueError):
-            old = {}
-        old[attack] = FIGURES[attack]
-        FIGURES_FILE.write_text(json.dumps(dict(sorted(old.items())), indent=2) + "\n")
+    """Keep an attack's figures for this run's record, after checking them against the code's bounds."""
+    values = {k: round(v, 2) if isinstance(v, float) else v for k, v in values.items()}
+    problems = bound_problems(attack, values)
+    assert not problems, problems
+    FIGURES[attack] = values
 
 
 def timed(fn, *args, **kw) -> tuple[float, object]:

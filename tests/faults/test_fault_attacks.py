@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from attacklib import Peak, figure, fds, rss_mib, threads, timed
+from attacklib import CLOSE_SLACK_S, Peak, figure, fds, publish, rss_mib, threads, timed
 from faultlib import call, frame, settle, split_replies, wait_until
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
@@ -37,6 +37,14 @@ from wcache.wire.handback import ASK_BUDGET_S, OFFER_PREFIX
 from wcache.wire.protocol import MAX_FDS, MAX_FRAME_BYTES, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import socket_name
 from wcache.wire.transports.memfd import MemfdArena
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record():
+    """After the module: this run's figures become docs/faults-attacks.json under WCACHE_WRITE_FIGURES=1."""
+    yield
+    publish()
+
 
 NO_TUNE = "--no-enable-autotune"
 LOADED = "Rank 0 loaded "
@@ -440,15 +448,18 @@ def test_a_frame_sent_a_byte_a_second_is_cut_at_the_total_deadline(daemon, sock)
 
 
 class SilentOffers:
-    """Offers that accept and never answer."""
+    """Offers that accept and never answer. ``asked_s``: from the daemon's first connection to the
+    moment it hung up on the last one, the time the offers held its start."""
 
     def __init__(self, d: Path, n: int):
         self.listeners, self.held, self.stop = [], [], threading.Event()
+        self.accepted: list[float] = []
+        self.hung_up: list[float] = []
         for i in range(n):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(str(d / f"{OFFER_PREFIX}silent{i:010d}.sock"))
             s.listen(4)
-            s.settimeout(0.2)
+            s.settimeout(0.01)
             self.listeners.append(s)
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
@@ -457,9 +468,28 @@ class SilentOffers:
         while not self.stop.is_set():
             for s in self.listeners:
                 try:
-                    self.held.append(s.accept()[0])
+                    conn = s.accept()[0]
                 except (TimeoutError, OSError):
+                    continue
+                self.accepted.append(time.monotonic())
+                conn.setblocking(False)
+                self.held.append(conn)
+            for conn in self.held:
+                if conn.fileno() < 0:
+                    continue
+                try:
+                    if conn.recv(1 << 16) == b"":  # the daemon hung up: it stopped waiting for us
+                        self.hung_up.append(time.monotonic())
+                        conn.close()
+                except (BlockingIOError, InterruptedError):
                     pass
+                except OSError:
+                    self.hung_up.append(time.monotonic())
+                    conn.close()
+
+    @property
+    def asked_s(self) -> float:
+        return max(self.hung_up) - min(self.accepted)
 
     def close(self) -> None:
         self.stop.set()
@@ -479,12 +509,18 @@ def test_silent_offers_cost_a_bounded_time_at_start(fault_procs, tiny_model, tmp
     offers = SilentOffers(d, 6)
     try:
         seconds, q = timed(fault_procs.preload, tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(d))
+        wait_until(lambda: len(offers.hung_up) == 6, 5, "the daemon to hang up on all 6 offers")
     finally:
         offers.close()
     assert q.log().count("did not adopt the arena offered at") == 6
-    assert seconds - baseline < ASK_BUDGET_S + 3, (seconds, baseline)  # was 5 s each: 32 s for 6
+    assert len(offers.accepted) == 6, offers.accepted  # each asked once, all at once
+    assert max(offers.accepted) - min(offers.accepted) < 1.0, offers.accepted
+    # Silent offers are waited on for the whole budget, and not longer: was 5 s each, 32 s for 6.
+    # The time they held the daemon is measured here, not as a difference of two starts: a start
+    # alone varies by seconds on a busy machine (both starts are kept in the record, unjudged).
+    assert ASK_BUDGET_S - CLOSE_SLACK_S <= offers.asked_s <= ASK_BUDGET_S + CLOSE_SLACK_S, offers.asked_s
     q.stop()
-    figure("6 silent offers", start_s=seconds, start_without_offers_s=baseline)
+    figure("6 silent offers", asked_s=offers.asked_s, start_s=seconds, start_without_offers_s=baseline)
 
 
 def _other_owner_0777(state: Path) -> Path:

@@ -9,7 +9,11 @@ reason (``untrusted_peer``), before it sends a request. It then loads from disk.
 
 Mounted for real, as root: the attacker is a process of uid 65534 (``setpriv``; its group, 65534,
 may write in the shared directory). First the state the race produces, made deterministic: its listener at the
-path, the file owned by the engine's uid. Then the race itself, bounded in loads and time.
+path, the file owned by the engine's uid. Then the race itself, bounded in loads and time: the
+attacker exchanges its socket with the daemon's (``renameat2(RENAME_EXCHANGE)``), so some engines
+pass the file check on the daemon's file and connect to the attacker. The race test asserts that
+happened (the attacker accepted connections), and a negative control runs the same race against a
+copy of the client without its connect-time check, which must hand the attacker requests.
 """
 
 from __future__ import annotations
@@ -21,20 +25,25 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import pytest
 from faultlib import TALLY
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
+from wcache.engine.loading import client as client_module
+from wcache.engine.loading import ipc_cache
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.registry import load_weights
 from wcache.errors import REASONS
 from wcache.wire.sockets import socket_name
 
 OTHER = 65534  # nobody / nogroup
-RACE_LOADS = 60
-RACE_SECONDS = 60.0
+RACE_LOADS = 60  # at least; then on until the race landed ENOUGH times (a busy machine swaps slower)
+RACE_MAX_LOADS = 1000
+RACE_SECONDS = 120.0
+ENOUGH = 3
 
 # The attacker: bind a listener at the daemon's path (the daemon's socket renamed aside), and
 # report every connection and whether a request frame arrived on it.
@@ -61,34 +70,46 @@ def serve(listener):
                 seen["connections"] += 1
                 seen["requests"] += bool(data)
 
-def bind():
+def bind(at):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(path)
+    s.bind(at)
     s.listen(64)
     threading.Thread(target=serve, args=(s,), daemon=True).start()
     return s
 
 if mode == "hold":
     os.rename(path, aside)
-    listener = bind()
+    listener = bind(path)
     print(json.dumps({"pid": os.getpid(), "uid": os.getuid()}), flush=True)
     sys.stdin.readline()
     listener.close()
     os.unlink(path)
     os.rename(aside, path)
-else:  # race: swap in and out until told to stop
+else:  # race: exchange the two sockets at the path, atomically and as fast as it can, until told to stop
+    # renameat2(RENAME_EXCHANGE) swaps the two directory entries in one step: the path always holds
+    # a socket, the daemon's (owned by the engine's uid) or ours, alternating every few microseconds.
+    # An engine whose lstat lands on the daemon's file and whose connect lands on ours meets the
+    # connect-time check; a plain rename race almost never lands there (0 connections in 60 loads).
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    ours = path + ".ours"
+    listener = bind(ours)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     print(json.dumps({"pid": os.getpid(), "uid": os.getuid()}), flush=True)
+    a, b = path.encode(), ours.encode()
     while not stop.is_set():
-        os.rename(path, aside)
-        listener = bind()
-        time.sleep(0.002)
-        os.unlink(path)
-        os.rename(aside, path)
-        listener.close()
-        seen["swaps"] += 1
-        time.sleep(0.002)
+        for _ in range(200):
+            if libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0:
+                raise OSError(ctypes.get_errno(), "renameat2(RENAME_EXCHANGE)")
+            seen["swaps"] += 1
+        time.sleep(0)  # let the serving thread take the GIL
+    if seen["swaps"] % 2:  # put the daemon's socket back at its path
+        libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
+    time.sleep(0.3)  # connections still queued are accepted and counted
+    listener.close()
+    os.unlink(ours)
 time.sleep(0.3)
 with lock:
     print(json.dumps(seen), flush=True)
@@ -176,27 +197,65 @@ def test_a_listener_of_another_uid_at_the_socket_path_is_refused_before_any_requ
     maps(cfg, shared_dir)
 
 
-def test_engines_never_send_a_request_to_a_swapping_listener_of_another_uid(daemon, sock, cfg, shared_dir):
-    TALLY.fault("a listener of another uid racing the daemon socket")
-    proc, _ = attacker(sock, "race")
-    sources: dict[str, int] = {}
-    allowed = ("the weight cache (zero_copy)", "Refusing the weight cache socket", "Weight cache socket ",
-               "no daemon socket at", "Cannot connect to weight cache daemon")
+def race(cfg, shared_dir, sock, landed) -> tuple[dict, dict]:
+    """Engines load while the attacker exchanges its socket with the daemon's: (what the attacker
+    saw, the loads' outcomes by kind). At least RACE_LOADS loads, then on until ``landed(outcomes)``
+    says the race reached the engine ENOUGH times, within RACE_MAX_LOADS and RACE_SECONDS."""
+    proc, who = attacker(sock, "race")
+    outcomes: dict[str, int] = {}
     t0 = time.monotonic()
     try:
-        for _ in range(RACE_LOADS):
-            if time.monotonic() - t0 > RACE_SECONDS:
+        for n in range(RACE_MAX_LOADS):
+            if time.monotonic() - t0 > RACE_SECONDS or (n >= RACE_LOADS and landed(outcomes) >= ENOUGH):
                 break
             _, report, lease = load_weights(cfg, "ipc_cache", LoaderConfig(socket_dir=str(shared_dir)))
             if lease is not None:
                 lease.close()
             what = report.fallback_reason or report.source
-            assert what.startswith(allowed), what
-            key = what.split(":")[0][:40]
-            sources[key] = sources.get(key, 0) + 1
+            kind = next((k for k, prefix in RACE_OUTCOMES.items() if what.startswith(prefix)), what)
+            if kind == "untrusted_peer" and f"(pid {who['pid']}) runs as uid {OTHER}," not in what:
+                kind = "untrusted_peer (the daemon answered, the owner read was the attacker's file)"
+            outcomes[kind] = outcomes.get(kind, 0) + 1
     finally:
         seen = finish(proc)
-    print(f"race: {seen['swaps']} swaps, {sum(sources.values())} loads in {time.monotonic() - t0:.1f} s: {sources}; "
-          f"attacker saw {seen['connections']} connection(s), {seen['requests']} request(s)")
-    assert seen["requests"] == 0, (seen, sources)
+    print(f"race: {seen['swaps']} swaps, {sum(outcomes.values())} loads in {time.monotonic() - t0:.1f} s: {outcomes}; "
+          f"attacker accepted {seen['connections']} connection(s), got {seen['requests']} request(s)")
+    return seen, outcomes
+
+
+# What a load during the race may end in, by the start of its report.
+RACE_OUTCOMES = {"zero_copy": "the weight cache (zero_copy)",
+                 "untrusted_peer": REASONS["untrusted_peer"].split("{")[0],
+                 "unsafe_socket": REASONS["unsafe_socket"].split("{")[0],
+                 "no_socket": REASONS["no_socket"].split("{")[0],
+                 "refused": REASONS["refused"].split("{")[0]}
+
+
+def test_engines_never_send_a_request_to_a_swapping_listener_of_another_uid(daemon, sock, cfg, shared_dir):
+    TALLY.fault("a listener of another uid racing the daemon socket")
+    seen, outcomes = race(cfg, shared_dir, sock, landed=lambda o: o.get("untrusted_peer", 0))
+    assert set(outcomes) - {"untrusted_peer (the daemon answered, the owner read was the attacker's file)"} \
+        <= set(RACE_OUTCOMES), outcomes
+    # The race reached the connect-time check: engines connected to the attacker (its accept ran),
+    # each such load was refused as untrusted_peer naming the attacker, and none sent a request.
+    assert seen["connections"] >= 1, (seen, outcomes)
+    assert outcomes.get("untrusted_peer", 0) == seen["connections"], (seen, outcomes)
+    assert seen["requests"] == 0, (seen, outcomes)
+    maps(cfg, shared_dir)
+
+
+def test_the_race_sends_requests_to_the_attacker_when_the_connect_time_check_is_gone(daemon, sock, cfg, shared_dir,
+                                                                                      monkeypatch):
+    """Negative control of the test above: the same race against a copy of the engine's client whose
+    connect-time check is removed must hand the attacker requests, or the race proves nothing."""
+    source = Path(client_module.__file__).read_text()
+    check = "if self.peer_uid != owner or self.peer_uid not in trusted_uids():"
+    assert source.count(check) == 1, "the connect-time check moved: update this control"
+    broken = types.ModuleType("client_without_peer_check")
+    exec(compile(source.replace(check, "if False:"), "client_without_peer_check", "exec"), broken.__dict__)
+    monkeypatch.setattr(ipc_cache, "CacheClient", broken.CacheClient)
+    seen, outcomes = race(cfg, shared_dir, sock,
+                          landed=lambda o: sum(n for k, n in o.items() if k not in RACE_OUTCOMES))
+    assert seen["requests"] >= 1, (seen, outcomes)
+    monkeypatch.undo()
     maps(cfg, shared_dir)

@@ -256,3 +256,27 @@ def test_the_offer_fits_wherever_the_daemon_socket_fits(procs, tiny_model, wcach
     again = procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(sockets))
     assert "Rank 0 adopted the arena of a running engine" in again.log()
     assert complete(engine.port, "room")["choices"] == answer["choices"]
+
+
+def test_an_engine_that_cannot_create_its_offer_says_so_and_keeps_serving(procs, tiny_model, wcache_env):
+    """NO_OFFER, produced for real: the socket directory is gone when the daemon dies (renamed away
+    here; a cleaned-up tmpfs or a recreated volume does the same), so binding the offer next to the
+    daemon's socket fails. The engine says why, offers nothing, and keeps serving its weights."""
+    base = Path(wcache_env["TMPDIR"])  # short: pytest's tmp paths are too long for a socket path
+    sockets = base / "sockets"
+    sockets.mkdir(mode=0o700)
+    first = procs.preload(tiny_model, NO_TUNE, "--weight-cache-socket-dir", str(sockets))
+    [sock] = [p for p in sockets.iterdir() if p.name.endswith(".sock")]
+    engine = procs.serve(tiny_model, *ZERO_COPY, "--model-loader-extra-config", f'{{"socket_dir": "{sockets}"}}')
+    answer = complete(engine.port, "no offer")
+    aside = sockets.rename(base / "aside")
+    try:
+        kill_daemon(first)
+        engine.wait_for_log(NO_OFFER.split("{error}")[0].format(path=sock), timeout=15)
+        assert f"[Errno {errno.ENOENT}]" in engine.log().split("cannot offer them: ")[1].splitlines()[0]
+        assert "went away; this engine keeps serving" not in engine.log()  # no offer was made
+        assert complete(engine.port, "no offer")["choices"] == answer["choices"]
+        assert engine.stop() == 0
+    finally:
+        aside.rename(sockets)
+    assert not offers_next_to(sock)

@@ -19,6 +19,7 @@ from .substitutions import load_substitutions
 
 def cmd_list(pages: list[str]) -> int:
     paths = [Path(p) for p in pages] if pages else doc_pages()
+    subs = load_substitutions()
     blocks: list[Block] = []
     errors: list[str] = []
     for p in paths:
@@ -29,7 +30,7 @@ def cmd_list(pages: list[str]) -> int:
             continue
         blocks += page_blocks
         for b in page_blocks:
-            kind, detail = disposition(b)
+            kind, detail = disposition(b, None, subs)
             if kind == SKIPPED:
                 shown = f"skipped ({detail})"
             elif kind == UNMARKED:
@@ -41,7 +42,7 @@ def cmd_list(pages: list[str]) -> int:
                 shown = kind + (f" ({'; '.join(extras)})" if extras else "")
             print(f"{b.where:<32} {b.lang or '-':<8} {shown}")
     print()
-    print(format_summary(blocks, None, load_substitutions(), errors))
+    print(format_summary(blocks, None, subs, errors))
     return 1 if errors or coverage(blocks)["unmarked"] else 0
 
 

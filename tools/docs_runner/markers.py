@@ -47,7 +47,8 @@ MARKERS: dict[str, MarkerSpec] = {
     ),
     "expect-fail": MarkerSpec(
         "The block must fail: a bash block must exit non-zero, a YAML/JSON block must be rejected"
-        " by its validator. Its output still feeds a following expect-output block.",
+        " by its validator. Its output still feeds a following expect-output block; a YAML/JSON"
+        " block needs one, which its rejection's text must match.",
         langs=frozenset({"bash", "yaml", "json"}),
     ),
     "loader-config": MarkerSpec(

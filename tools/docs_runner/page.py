@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from . import ROOT
-from .coverage import RUN, SKIPPED, UNMARKED, VALIDATED, Recorder, disposition, gpu_mode
+from .coverage import RUN, SKIPPED, SUBSTITUTED, UNMARKED, VALIDATED, Recorder, disposition, gpu_mode, rewrites
 from .handlers import bash, output, validate
 from .handlers.python import PythonWorker
 from .markers import MarkerError
@@ -58,6 +58,8 @@ class PageRunner:
         self.grace = grace
         self.sessions: set[int] = set()
         self.last_bash: tuple[Block, bash.BashResult] | None = None
+        # An expect-fail YAML/JSON block's rejection: the expect-output block after it checks its text.
+        self.rejection: tuple[Block, str] | None = None
         self.python: PythonWorker | None = None
 
     # -- setup / teardown ---------------------------------------------------------------------
@@ -98,8 +100,8 @@ class PageRunner:
         self._setup()
         failure: str | None = None
         try:
-            for block in blocks:
-                self.run_block(block)
+            for i, block in enumerate(blocks):
+                self.run_block(block, blocks[i + 1] if i + 1 < len(blocks) else None)
         except BlockFailure as e:
             failure = str(e)
         finally:
@@ -121,15 +123,23 @@ class PageRunner:
         self._record(block, "failed", msg.splitlines()[0] if msg else "")
         raise BlockFailure(f"{block.where} ({block.lang} block): {msg}")
 
-    def run_block(self, block: Block) -> None:
+    def run_block(self, block: Block, following: Block | None = None) -> None:
         kind, detail = disposition(block, self.gpu)
         if kind in (UNMARKED, SKIPPED):
             self._record(block, kind, detail)  # an unmarked block fails the coverage test, not the page
             return
         expect_fail = bool(block.marker and block.marker.has("expect-fail"))
+        if not (block.marker and block.marker.has("expect-output")):
+            self.rejection = None
+        if expect_fail and block.lang in ("yaml", "json") and not (
+                following is not None and following.marker and following.marker.has("expect-output")):
+            self._fail(block, "an expect-fail YAML/JSON block must be followed by an expect-output block with the "
+                              "rejection it shows (any rejection, a parse error included, would pass otherwise)")
         if block.lang == "bash":
-            self.run_bash(block, expect_fail)
-            self._record(block, RUN, "bash")
+            if self.run_bash(block, expect_fail):
+                self._record(block, SUBSTITUTED, "bash, " + ", ".join(rewrites(block, self.substitutions, self.gpu)))
+            else:
+                self._record(block, RUN, "bash")
         elif block.lang == "python":
             self.run_python(block)
             self._record(block, RUN, "python")
@@ -148,11 +158,14 @@ class PageRunner:
             self._fail(block, f"marked expect-fail but {what}{src} accepted it")
         if errors and not expect_fail:
             self._fail(block, f"{what}{src} rejected it:\n  " + "\n  ".join(errors))
+        if expect_fail:
+            self.rejection = (block, "\n".join(errors))
         self._record(block, VALIDATED, what + src)
 
     # -- bash ---------------------------------------------------------------------------------
 
-    def run_bash(self, block: Block, expect_fail: bool) -> None:
+    def run_bash(self, block: Block, expect_fail: bool) -> bool:
+        """Run a bash block as the reader would; whether a substitution rewrote it first."""
         problem = bash.check_pasteable(block.source, expect_fail)
         if problem:
             self._fail(block, problem)
@@ -170,6 +183,7 @@ class PageRunner:
             self._fail(block, f"marked expect-fail but exited 0\n{self._output_tail()}")
         if not expect_fail and result.rc != 0:
             self._fail(block, f"exited {result.rc}\n{self._output_tail()}")
+        return script != block.source
 
     def _sources(self) -> list[tuple[str, str]]:
         assert self.last_bash is not None
@@ -192,9 +206,19 @@ class PageRunner:
         return "\n".join(parts)
 
     def check_output(self, block: Block) -> None:
+        if self.rejection is not None:
+            rejected, text = self.rejection
+            self.rejection = None
+            problem = output.match_output(block.source, [(f"rejection of the {rejected.lang} block at "
+                                                          f"{rejected.where}", text)])
+            if problem:
+                self._fail(block, problem)
+            return
         if self.last_bash is None:
             self._fail(block, "expect-output block, but no bash block ran before it on this page")
-        problem = output.match_output(block.source, self._sources())
+        ran = self.last_bash[0]
+        problem = output.match_output(block.source, self._sources(),
+                                      error_levels=bool(ran.marker and ran.marker.has("expect-fail")))
         if problem:
             self._fail(block, problem)
 
