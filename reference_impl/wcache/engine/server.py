@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -73,17 +74,19 @@ class EngineServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128  # a burst waits in the backlog, not in SYN retries; past MAX_CONNECTIONS it gets a 503
 
-    def __init__(self, address, engine, model_name: str):
+    def __init__(self, address, engine, model_name: str, sock: socket.socket | None = None):
+        """``sock``: serve on this listening socket instead of binding ``address`` (``wcache serve
+        --respawn``: its supervisor bound it, keeps it open across workers, engine/respawn.py)."""
         self.engine = engine
         self.model_name = model_name
         self.ready = engine is not None
         try:
-            super().__init__(address, _Handler)
+            super().__init__(address, _Handler, bind_and_activate=sock is None)
         except OSError as e:  # e.g. port 8000 taken: one line and status 2, not a traceback
-            host, port = address[0], address[1]
-            if e.errno == errno.EADDRINUSE:
-                raise ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port)) from None
-            raise ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e)) from None
+            raise address_error(e, address) from None
+        if sock is not None:
+            self.socket.close()
+            self.socket, self.server_address = sock, sock.getsockname()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
@@ -117,6 +120,13 @@ class EngineServer(ThreadingHTTPServer):
 
 
 BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
+
+
+def address_error(e: OSError, address) -> ServeAddressError:
+    host, port = address[0], address[1]
+    if e.errno == errno.EADDRINUSE:
+        return ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port))
+    return ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e))
 
 
 class _Handler(BaseHTTPRequestHandler):
