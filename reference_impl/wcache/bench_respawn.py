@@ -191,9 +191,9 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
     try:
         kills, memory = [], {}
         for i in range(n):
-            # The serving worker is ready and a spare waits (the first worker logs a spare line too).
+            # The serving worker is ready and a spare waits.
             s.wait_for("the serving worker and its spare", lambda: len(_pids(_READY, s.text())) >= i + 1
-                       and len(_pids(_SPARE, s.text())) >= i + 2)
+                       and len(_pids(_SPARE, s.text())) >= i + 1)
             text = s.text()
             victim, spare = _pids(_READY, text)[-1], _pids(_SPARE, text)[-1]
             if not memory:

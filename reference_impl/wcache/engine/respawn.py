@@ -88,10 +88,11 @@ class Worker:
         spec = {"args": vars(args), "listen_fd": sock.fileno(), "control_fd": control_r, "status_fd": status_w,
                 "parent_pid": os.getpid(), "log_level": args.log_level}
         env = dict(os.environ, **{SPARE_ENV: json.dumps(spec)})
-        # Its own session: a terminal's Ctrl-C (or a signal to this process group) reaches the
+        # Its own process group (in the same session, so a container runtime or tools/k8s_probe.py
+        # still sees it): a terminal's Ctrl-C, or a signal to the supervisor's group, reaches the
         # supervisor alone, which stops the workers itself instead of racing their exits.
         self.proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.spare"], env=env,
-                                     pass_fds=(sock.fileno(), control_r, status_w), start_new_session=True)
+                                     pass_fds=(sock.fileno(), control_r, status_w), process_group=0)
         os.close(control_r)
         os.close(status_w)
         self.pid = self.proc.pid

@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import socket
 import sys
 import time
@@ -41,6 +42,9 @@ log = logging.getLogger("wcache.engine")
 
 SPARE_READY = ("Spare engine worker pid {pid} ready: torch and wcache imported in {seconds:.2f} s, "
                "no CUDA context (CUDA initialized: {cuda})")
+# A worker whose order was waiting when its imports were done (the first one, or one started when
+# no spare was left) was never a spare: it says so.
+PROMOTED_AT_ONCE = "Engine worker pid {pid}: torch and wcache imported in {seconds:.2f} s"
 
 
 def tell(status, **event) -> None:
@@ -67,7 +71,8 @@ def main() -> int:
     control = os.fdopen(spec["control_fd"], "r")
     cuda = torch.cuda.is_initialized()  # False: is_initialized() itself creates nothing
     seconds = time.monotonic() - T0
-    log.info(SPARE_READY.format(pid=os.getpid(), seconds=seconds, cuda=cuda))
+    waiting = select.select([control], [], [], 0)[0]
+    log.info((PROMOTED_AT_ONCE if waiting else SPARE_READY).format(pid=os.getpid(), seconds=seconds, cuda=cuda))
     tell(status, event="spare", pid=os.getpid(), import_s=round(seconds, 3), cuda_initialized=cuda)
     line = control.readline()  # blocks until promoted; EOF: the supervisor stops
     if not line:
