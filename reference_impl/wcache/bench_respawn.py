@@ -6,7 +6,8 @@ with a private socket directory. A steady client posts one completion after anot
 fresh connection; the serving worker is killed with SIGKILL while it does. Per kill the record
 holds: the time from the kill to the first 200 answering a request sent after it ("death to next
 200"; a request that waited in the backlog across the kill is answered sooner, by one request's
-time, so this errs long), the supervisor's own death-to-ready, and every failed request with its
+time, so this errs long), the supervisor's own death-to-ready, how long one answer took before the
+kill (what the first answer after it costs in any case), and every failed request with its
 kind (``refused`` must never happen; ``closed`` is the request in flight at the kill). Then, in the
 same run: a fresh `wcache serve` from disk, and one with ``ipc_cache`` (a shell loop's restart),
 each from its spawn to its first 200, and the spare's resident memory (the price of the mode).
@@ -109,7 +110,9 @@ def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: floa
     results = client.stop()
     answered = [r[1] for r in results if r[0] >= killed and r[2] == 200]
     failed = [{"kind": r[2], "sent_before_kill": r[0] < killed} for r in results if r[2] != 200]
+    before = [r[1] - r[0] for r in results if r[1] < killed and r[2] == 200]
     return {"death_to_next_200_s": round(min(answered) - killed, 4) if answered else None,
+            "answer_before_kill_s": round(statistics.median(before), 4),
             "requests": len(results), "failed": failed,
             "refused": sum(f["kind"] == "refused" for f in failed)}
 
@@ -248,6 +251,7 @@ def run_bench_respawn(args) -> int:
     med = {
         "death_to_next_200": statistics.median(k["death_to_next_200_s"] for k in kills),
         "worker_death_to_ready": statistics.median(k["worker_death_to_ready_s"] for k in kills),
+        "answer_before_kill": statistics.median(k["answer_before_kill_s"] for k in kills),
         "restart_from_disk": statistics.median(starts["safetensors"]),
         "restart_ipc_cache": statistics.median(starts["ipc_cache"]),
     }
@@ -278,7 +282,8 @@ def render_table(r: dict) -> str:
         f"wcache bench --respawn: {r['model']['name']}, device {r['environment']['device']}, "
         f"transport {r['transport']}, median of {r['repeat']}",
         f"worker killed (SIGKILL) to next 200: {m['death_to_next_200']:.3f} s "
-        f"(supervisor: death to ready {m['worker_death_to_ready']:.3f} s)",
+        f"(supervisor: death to ready {m['worker_death_to_ready']:.3f} s; one answer before the kill "
+        f"{m['answer_before_kill']:.3f} s)",
         f"fresh wcache serve to first 200: from disk {m['restart_from_disk']:.2f} s "
         f"({r['ratios']['restart_from_disk_over_respawn']:.1f}x), ipc_cache {m['restart_ipc_cache']:.2f} s "
         f"({r['ratios']['restart_ipc_cache_over_respawn']:.1f}x)",
