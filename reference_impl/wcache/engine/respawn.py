@@ -42,7 +42,7 @@ from wcache.errors import RespawnError
 
 log = logging.getLogger("wcache.respawn")
 
-SPARE_ENV = "WCACHE_SPARE"  # a worker's settings, as JSON (engine/spare.py)
+SPARE_ENV = "WCACHE_SPARE_SPEC"  # a worker's settings, as JSON (engine/spare.py)
 STABLE_S = 10.0
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
 MAX_DEATHS = 5

@@ -2,7 +2,7 @@
 start needs, then waits, holding no CUDA context, until its supervisor (engine/respawn.py)
 promotes it to serve.
 
-Started as ``python -m wcache.engine.spare`` with its settings as JSON in ``WCACHE_SPARE``: the
+Started as ``python -m wcache.engine.spare`` with its settings as JSON in ``WCACHE_SPARE_SPEC``: the
 ``wcache serve`` arguments, and three inherited descriptors: the listening socket, a control
 pipe it reads its promotion from and a status pipe it writes its progress to (one JSON object a
 line, no pickle). Once promoted it runs ``wcache serve``'s own start-up (engine.run_serve) with
