@@ -30,6 +30,7 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plot_bench
+import respawn_tables
 
 REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- end generated -->)",
                     re.DOTALL)
@@ -241,6 +242,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "ns-matrix": plot_bench.matrix_table,
     "ns-matrix-runs": plot_bench.matrix_runs,
     "gpu-tests-summary": plot_bench.gpu_tests_summary,
+    "bench-respawn": respawn_tables.respawn_table,
+    "respawn-memory": respawn_tables.respawn_memory,
 }
 
 

@@ -25,7 +25,9 @@ Steps (``--step``, in order) script what happens while the probes run:
 ``ready[=TIMEOUT]`` waits until a readiness probe succeeds after the step began (the pod is
 Ready); ``kill=REGEX`` SIGKILLs the processes of the container, other than its first, whose
 command line matches; ``restarted[=TIMEOUT]`` waits until the kubelet has restarted the
-container (after a failed probe or an exit) and started it again; ``sleep=S``;
+container (after a failed probe or an exit) and started it again; ``kill-oldest=REGEX`` SIGKILLs
+only the longest-running of those processes (``wcache serve --respawn``'s serving worker, not its
+spare); ``log=N:TEXT`` waits until the container's output holds TEXT N times; ``sleep=S``;
 ``stop`` deletes the pod (SIGTERM, grace period) and is implied at the end.
 
 Every probe result, state change, restart and step goes to ``--report`` as JSON lines; steps
@@ -150,6 +152,15 @@ def session_processes(sid: int) -> dict[int, str]:
             continue
         out[int(entry)] = cmd
     return out
+
+
+STEPS = "ready[=S], kill=REGEX, kill-oldest=REGEX, log=N:TEXT, restarted[=S], sleep=S, stop"
+
+
+def start_time(pid: int) -> int:
+    """A process's start, in clock ticks since boot (/proc/PID/stat field 22)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 class Kubelet:
@@ -308,6 +319,25 @@ class Kubelet:
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
             self.event("step_done", step=step, killed=victims, processes=self.processes())
+        elif name == "kill-oldest":
+            pattern = re.compile(arg)
+            matching = [pid for pid, cmd in self.processes().items() if pid != self.proc.pid and pattern.search(cmd)]
+            if not matching:
+                raise HarnessError(f"kill-oldest: no process of the container matches {arg!r}: {self.processes()}")
+            victim = min(matching, key=start_time)
+            os.kill(victim, signal.SIGKILL)
+            self.event("step_done", step=step, killed={victim: self.processes().get(victim, "")},
+                       processes=self.processes())
+        elif name == "log":
+            count, _, text = arg.partition(":")
+            self.event("step", step=step)
+            deadline = time.monotonic() + 600
+            while self.log_path.read_text(errors="replace").count(text) < int(count):
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"log: not {count} x {text!r} in the container log within 600 s")
+                self.tick()
+                time.sleep(0.05)
+            self.event("step_done", step=step, processes=self.processes())
         elif name == "restarted":
             self.event("step", step=step)
             seen = self.restarts
@@ -331,7 +361,7 @@ class Kubelet:
             self.event("step_done", step=step, exit_code=code, restarts=self.restarts)
             self.proc = None
         else:
-            raise HarnessError(f"unknown step {step!r} (ready[=S], kill=REGEX, restarted[=S], sleep=S, stop)")
+            raise HarnessError(f"unknown step {step!r} ({STEPS})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--container", default=None)
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set or override a container environment variable (paths that differ outside a pod)")
-    ap.add_argument("--step", action="append", default=[], help="ready[=S], kill=REGEX, restarted[=S], sleep=S, stop")
+    ap.add_argument("--step", action="append", default=[], help=STEPS)
     ap.add_argument("--log", type=Path, default=Path("container.log"), help="the container's output")
     ap.add_argument("--report", type=Path, default=None, help="JSON lines: probes, state changes, steps")
     ap.add_argument("--host-network", action="store_true",

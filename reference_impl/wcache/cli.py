@@ -65,7 +65,12 @@ def cmd_serve(args) -> int:
     from wcache.engine.engine import run_serve
     from wcache.engine.loading.config import parse_loader_config
 
-    return run_serve(args, parse_loader_config(args.model_loader_extra_config))
+    loader_config = parse_loader_config(args.model_loader_extra_config)
+    if args.respawn:
+        from wcache.engine.respawn import run_respawn
+
+        return run_respawn(args, loader_config)
+    return run_serve(args, loader_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +103,10 @@ def _main(argv: list[str], command: str | None) -> int:
             from wcache.daemon.launcher import run_preload
 
             return run_preload(args)
+        if args.command == "bench" and args.respawn:
+            from wcache.bench_respawn import run_bench_respawn
+
+            return run_bench_respawn(args)
         if args.command == "bench":
             from wcache.bench import run_bench
 

@@ -102,6 +102,16 @@ class ServeAddressError(UserError):
     OTHER = "Cannot serve on {host}:{port}: {error}"
 
 
+class RespawnError(UserError):
+    """`wcache serve --respawn` (engine/respawn.py): what it cannot do, and why its supervisor gave up."""
+    ONE_RANK = ("--respawn supports an engine of one rank; this one has {world} ({layout}). Drop --respawn "
+                "and restart the engine from outside (docs/respawn.md)")
+    GAVE_UP = ("--respawn gives up: the engine worker died {deaths} times in a row, each within {stable:g} s of "
+               "being ready or before it (last: {cause}); exit status 1")
+    CONFIG = ("--respawn stops: engine worker pid {pid} exited with status 2 before it was ready, a configuration "
+              "error that a new worker would repeat (its error is above)")
+
+
 class KVCacheBudgetError(UserError):
     NO_ROOM = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization "
                "(or --cpu-memory-capacity on CPU)")

@@ -124,6 +124,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
     p.add_argument("--port", type=int, default=8000,
                    help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
+    p.add_argument("--respawn", action="store_true",
+                   help="keep the listening socket in a supervisor and a spare worker ready (torch imported, no "
+                        "CUDA context); when the serving worker dies, the spare takes over the same socket, so "
+                        "clients wait instead of being refused (one-rank engines; docs/respawn.md)")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
@@ -181,6 +185,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
+    p.add_argument("--respawn", action="store_true",
+                   help="instead: kill the serving worker of `wcache serve --respawn` under a steady client, "
+                        "against a fresh `wcache serve` from disk (bench_respawn.py)")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dockerlib import ROOT, mapped_line
+from dockerlib import ROOT
+from test_k8s_pod import RESPAWN_STEPS, check_respawn
 from tools.docs_runner.handlers.validate import validate_k8s
 
 DEPLOYMENT = ROOT / "examples" / "k8s-deployment.yaml"
@@ -113,7 +114,7 @@ def test_the_container_is_the_pods_plus_the_documented_additions():
 
 
 @pytest.mark.slow
-def test_a_replica_serves_and_its_engine_restarts_alone(tiny_model, tmp_path):
+def test_a_replica_serves_and_its_engine_worker_is_respawned_in_place(tiny_model, tmp_path):
     """The Deployment's container script under its probes (the harness runs Pods, so its template
     becomes one). Seeding has no source here: the daemon logs why and tunes itself."""
     if os.geteuid() != 0:
@@ -129,12 +130,11 @@ def test_a_replica_serves_and_its_engine_restarts_alone(tiny_model, tmp_path):
                 f"PATH={Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"]
     argv = [sys.executable, str(HARNESS), str(spec_file), "--report", str(report), "--log", str(log)]
     argv += [a for e in env_args for a in ("--env", e)]
-    argv += [a for s in ("ready", "kill=bin/wcache serve", "ready") for a in ("--step", s)]
+    argv += [a for s in RESPAWN_STEPS for a in ("--step", s)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     out = log.read_text(errors="replace") if log.exists() else ""
     assert r.returncode == 0, f"harness failed:\n{r.stdout}\n{r.stderr}\ncontainer log:\n{out[-6000:]}"
     events = [json.loads(line) for line in report.read_text().splitlines()]
-    assert [e["event"] for e in events].count("container_started") == 1
-    assert out.count(mapped_line()) == 2, out
+    check_respawn(events, out)
     assert "Cannot reach the weight cache seed at wcache-seed:47100" in out
     assert "Rank 0 serves its autotune cache to seeding replicas on 0.0.0.0:47100" in out

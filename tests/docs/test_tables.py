@@ -26,6 +26,7 @@ from pathlib import Path
 import doc_tables
 import plot_bench
 import pytest
+import respawn_tables
 from tools.docs_runner.parse import extract_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,6 +289,7 @@ def test_every_published_record_is_rendered():
     records = sorted(p.name for p in plot_bench.BENCH_DIR.glob("*.json"))
     shown = {p.name for p, _ in plot_bench.bench_records()} | {p.name for p, _ in plot_bench.matrix_records()}
     shown |= {p.name for p, _ in doc_tables.streaming_records()}
+    shown |= {p.name for p, _ in respawn_tables.respawn_records()}
     assert records and set(records) == shown
     logs = plot_bench.gpu_test_logs()
     assert logs and all(log.name in page("validation.md") for log in logs)

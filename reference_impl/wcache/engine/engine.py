@@ -9,6 +9,7 @@ ranks (supervisor.py), load and size memory on every rank, then serve.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -162,8 +163,13 @@ def rank_specs(args, loader_config):
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
 
 
-def run_serve(args, loader_config) -> int:
-    """``wcache serve``: every world size, one path."""
+def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None) -> int:
+    """``wcache serve``: every world size, one path.
+
+    A ``--respawn`` worker (engine/spare.py) passes the listening socket its supervisor bound
+    (``sock``); a promoted spare leaves clients in the backlog until it is ready
+    (``answer_while_loading=False``) and reports readiness with ``on_ready``.
+    """
     from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.supervisor import Supervisor
 
@@ -173,9 +179,9 @@ def run_serve(args, loader_config) -> int:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
                  plan.layout.describe(), len(specs), plan.world_size, plan.init_method)
     server = None
-    if plan.drives:
+    if plan.drives and answer_while_loading:
         # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer((args.host, args.port), None, args.model)
+        server = EngineServer((args.host, args.port), None, args.model, sock=sock)
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
     supervisor = Supervisor(specs[1:], server)
@@ -202,8 +208,12 @@ def run_serve(args, loader_config) -> int:
         engine.close()
         supervisor.stop()
 
+    if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
+        server = EngineServer((args.host, args.port), engine, args.model, sock=sock)
     server.engine, server.ready = engine, True
-    log.info("Engine ready: POST http://%s:%d/v1/completions", args.host, args.port)
+    log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
+    if on_ready is not None:
+        on_ready()
     run_until_signal(server, on_stop=on_stop)
     log.info("Engine stopped")
     if runner.world.size > 1:

@@ -175,6 +175,14 @@ class Connections:
         return False
 
 
+def address_error(e: OSError, address) -> ServeAddressError:
+    """The one-line error for a host and port that cannot be bound (here, or by `serve --respawn`'s supervisor)."""
+    host, port = address[0], address[1]
+    if e.errno == errno.EADDRINUSE:
+        return ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port))
+    return ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e))
+
+
 class FrontDoorServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -186,10 +194,7 @@ class FrontDoorServer(ThreadingHTTPServer):
         try:
             super().__init__(address, handler, bind_and_activate=sock is None)
         except OSError as e:  # e.g. port 8000 taken: one line and status 2, not a traceback
-            host, port = address[0], address[1]
-            if e.errno == errno.EADDRINUSE:
-                raise ServeAddressError(ServeAddressError.IN_USE.format(host=host, port=port)) from None
-            raise ServeAddressError(ServeAddressError.OTHER.format(host=host, port=port, error=e.strerror or e)) from None
+            raise address_error(e, address) from None
         if sock is not None:  # a listening socket bound by another process (a supervisor owning the port)
             self.socket.close()
             self.socket = sock

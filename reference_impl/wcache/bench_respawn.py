@@ -1,0 +1,293 @@
+"""`wcache bench --respawn`: what a killed engine costs its clients under `wcache serve --respawn`,
+against a restart from disk, measured in one run.
+
+A real daemon (`wcache preload`) and a real `wcache serve --respawn --load-format ipc_cache` run
+with a private socket directory. A steady client posts one completion after another, each on a
+fresh connection; the serving worker is killed with SIGKILL while it does. Per kill the record
+holds: the time from the kill to the first 200 answering a request sent after it ("death to next
+200"; a request that waited in the backlog across the kill is answered sooner, by one request's
+time, so this errs long), the supervisor's own death-to-ready, how long one answer took before the
+kill (what the first answer after it costs in any case), and every failed request with its
+kind (``refused`` must never happen; ``closed`` is the request in flight at the kill). Then, in the
+same run: a fresh `wcache serve` from disk, and one with ``ipc_cache`` (a shell loop's restart),
+each from its spawn to its first 200, and the spare's resident memory (the price of the mode).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from wcache.engine.respawn import STABLE_S
+from wcache.engine.spare import SPARE_READY
+from wcache.errors import BenchError
+
+PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding
+_READY = re.compile(r"Engine ready \(pid (\d+)\)")
+_SPARE = re.compile(re.escape(SPARE_READY.split("{pid}")[0]) + r"(\d+)")
+_RESPAWNED = re.compile(r"Respawned: engine worker pid (\d+) ready ([\d.]+) s after worker pid (\d+) died \(([^)]*)\)")
+
+
+def post(port: int, timeout: float = 60.0) -> int:
+    """One completion on a fresh connection: the HTTP status."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def failure_kind(e: BaseException) -> str:
+    """``refused`` (nobody listened: what --respawn must prevent), ``closed`` (the connection died
+    under the request), ``timeout``, or the exception's name."""
+    e = getattr(e, "reason", e)
+    if isinstance(e, ConnectionRefusedError):
+        return "refused"
+    if isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                      http.client.IncompleteRead)):
+        return "closed"
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    return type(e).__name__
+
+
+class SteadyClient(threading.Thread):
+    """Posts completions back to back until stopped; each result is (sent, answered, status or kind)."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True, name="steady-client")
+        self.port = port
+        self.results: list[tuple[float, float, int | str]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            sent = time.monotonic()
+            try:
+                outcome: int | str = post(self.port)
+            except Exception as e:  # noqa: BLE001  (every failure is recorded by kind)
+                outcome = failure_kind(e)
+            self.results.append((sent, time.monotonic(), outcome))
+
+    def stop(self) -> list[tuple[float, float, int | str]]:
+        self.done.set()
+        self.join(120)
+        return self.results
+
+
+def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: float = 1.0, timeout: float = 120) -> dict:
+    """SIGKILL ``victim`` while a steady client runs; what the client saw."""
+    client = SteadyClient(port)
+    client.start()
+    deadline = time.monotonic() + timeout
+    while not any(r[2] == 200 for r in client.results):
+        if time.monotonic() > deadline:
+            client.stop()
+            raise BenchError(BenchError.SAMPLE.format(what="the steady client's first answer", code="none"))
+        time.sleep(0.01)
+    time.sleep(settle_s)
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    while not any(r[0] >= killed and r[2] == 200 for r in client.results) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(after_s)
+    results = client.stop()
+    answered = [r[1] for r in results if r[0] >= killed and r[2] == 200]
+    failed = [{"kind": r[2], "sent_before_kill": r[0] < killed} for r in results if r[2] != 200]
+    before = [r[1] - r[0] for r in results if r[1] < killed and r[2] == 200]
+    return {"death_to_next_200_s": round(min(answered) - killed, 4) if answered else None,
+            "answer_before_kill_s": round(statistics.median(before), 4),
+            "requests": len(results), "failed": failed,
+            "refused": sum(f["kind"] == "refused" for f in failed)}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serving:
+    """A `wcache serve` process (with or without --respawn) and its log."""
+
+    def __init__(self, args, work: Path, load_format: str, lc: dict | None, respawn: bool):
+        self.port = _free_port()
+        self.log_path = work / f"serve-{self.port}.log"
+        argv = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "serve", args.model, "--device", args.device,
+                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format]
+        if lc is not None:
+            argv += ["--model-loader-extra-config", json.dumps(lc)]
+        if respawn:
+            argv.append("--respawn")
+        self.log = open(self.log_path, "wb")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, what: str, predicate, timeout: float = 1800) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                from wcache.bench import _log_tail
+
+                _log_tail("wcache serve", self.text())
+                raise BenchError(BenchError.SAMPLE.format(what=what, code=self.proc.poll()))
+            time.sleep(0.01)
+
+    def first_200(self) -> float:
+        """Seconds from spawn to the first completion answered 200 (polled every 10 ms)."""
+        def answered() -> bool:
+            try:
+                return post(self.port, timeout=30) == 200
+            except OSError:
+                return False
+
+        self.wait_for("a fresh wcache serve's first answer", answered)
+        return time.monotonic() - self.t0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def _pids(pattern: re.Pattern, text: str) -> list[int]:
+    return [int(m.group(1)) for m in pattern.finditer(text)]
+
+
+def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
+    """``n`` kills of the serving worker under a steady client, and the spare's memory."""
+    s = Serving(args, work, "ipc_cache", lc, respawn=True)
+    try:
+        kills, memory = [], {}
+        for i in range(n):
+            # The serving worker is ready and a spare waits.
+            s.wait_for("the serving worker and its spare", lambda: len(_pids(_READY, s.text())) >= i + 1
+                       and len(_pids(_SPARE, s.text())) >= i + 1)
+            text = s.text()
+            victim, spare = _pids(_READY, text)[-1], _pids(_SPARE, text)[-1]
+            if not memory:
+                memory = {"spare_rss_bytes": rss_bytes(spare), "serving_rss_bytes": rss_bytes(victim),
+                          "supervisor_rss_bytes": rss_bytes(s.proc.pid)}
+            if i:
+                time.sleep(STABLE_S)  # a kill sooner after the last would count as a crash loop and back off
+            sample = kill_under_load(s.port, victim)
+            s.wait_for("the respawn log line", lambda: len(_RESPAWNED.findall(s.text())) >= i + 1)
+            m = list(_RESPAWNED.finditer(s.text()))[i]
+            sample.update(worker_death_to_ready_s=float(m.group(2)), cause=m.group(4))
+            kills.append(sample)
+    finally:
+        code = s.stop()
+    if code != 0:
+        raise BenchError(BenchError.SAMPLE.format(what="wcache serve --respawn's stop", code=code))
+    return {"kills": kills, "memory": memory}
+
+
+def fresh_starts(args, work: Path, lc: dict, n: int) -> dict:
+    """A fresh `wcache serve` from its spawn to its first 200: from disk, and mapping the cache."""
+    out: dict[str, list[float]] = {"safetensors": [], "ipc_cache": []}
+    for _ in range(n):
+        for fmt in out:
+            s = Serving(args, work, fmt, lc if fmt == "ipc_cache" else None, respawn=False)
+            try:
+                out[fmt].append(round(s.first_200(), 4))
+            finally:
+                s.stop()
+    return out
+
+
+def run_bench_respawn(args) -> int:
+    from wcache.bench import DaemonUnderTest, environment
+    from wcache.core.config import EngineConfig
+
+    cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
+    args.device = cfg.device
+    n = max(1, args.repeat)
+    work = Path(tempfile.mkdtemp(prefix="wcache-bench-respawn-"))
+    sockets = work / "sockets"
+    sockets.mkdir(mode=0o700)
+    os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")
+    lc = {"socket_dir": str(sockets), "fallback": False}
+    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
+    try:
+        respawn = respawn_samples(args, work, lc, n)
+        starts = fresh_starts(args, work, lc, n)
+    finally:
+        daemon.stop()
+    kills = respawn["kills"]
+    med = {
+        "death_to_next_200": statistics.median(k["death_to_next_200_s"] for k in kills),
+        "worker_death_to_ready": statistics.median(k["worker_death_to_ready_s"] for k in kills),
+        "answer_before_kill": statistics.median(k["answer_before_kill_s"] for k in kills),
+        "restart_from_disk": statistics.median(starts["safetensors"]),
+        "restart_ipc_cache": statistics.median(starts["ipc_cache"]),
+    }
+    result = {
+        "respawn": {"kills": kills, "memory": respawn["memory"]},
+        "environment": environment(cfg.device),
+        "model": {"path": cfg.model, "name": Path(cfg.model).name, "dtype": cfg.dtype_name},
+        "transport": args.transport if cfg.device == "cuda" else "memfd",
+        "repeat": n,
+        "client": f"one steady client, POST /v1/completions max_tokens {MAX_TOKENS}, a fresh connection each",
+        "restart_samples_s": starts,
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "ratios": {"restart_from_disk_over_respawn": round(med["restart_from_disk"] / med["death_to_next_200"], 2),
+                   "restart_ipc_cache_over_respawn": round(med["restart_ipc_cache"] / med["death_to_next_200"], 2)},
+        "failed_requests": sum(len(k["failed"]) for k in kills),
+        "refused_connections": sum(k["refused"] for k in kills),
+    }
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text if args.json else render_table(result))
+    return 0
+
+
+def render_table(r: dict) -> str:
+    m, mem = r["median_s"], r["respawn"]["memory"]
+    return "\n".join([
+        f"wcache bench --respawn: {r['model']['name']}, device {r['environment']['device']}, "
+        f"transport {r['transport']}, median of {r['repeat']}",
+        f"worker killed (SIGKILL) to next 200: {m['death_to_next_200']:.3f} s "
+        f"(supervisor: death to ready {m['worker_death_to_ready']:.3f} s; one answer before the kill "
+        f"{m['answer_before_kill']:.3f} s)",
+        f"fresh wcache serve to first 200: from disk {m['restart_from_disk']:.2f} s "
+        f"({r['ratios']['restart_from_disk_over_respawn']:.1f}x), ipc_cache {m['restart_ipc_cache']:.2f} s "
+        f"({r['ratios']['restart_ipc_cache_over_respawn']:.1f}x)",
+        f"requests failed across the kills: {r['failed_requests']}, refused: {r['refused_connections']}",
+        f"spare worker resident memory: {mem['spare_rss_bytes'] / 2**20:.0f} MiB "
+        f"(serving worker {mem['serving_rss_bytes'] / 2**20:.0f} MiB, supervisor {mem['supervisor_rss_bytes'] / 2**20:.0f} MiB)",
+    ])

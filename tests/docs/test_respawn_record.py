@@ -1,0 +1,47 @@
+"""The respawn records (docs/benchmarks/*.json with a ``respawn`` key, written by `wcache bench
+--respawn`) and the pages that show them: docs/benchmarks.md's section and docs/respawn.md's memory
+table are the records' renders, and each record holds what the guide says of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import doc_tables
+import respawn_tables
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def region(page: str, name: str) -> str:
+    return dict(doc_tables.regions((DOCS / page).read_text(encoding="utf-8")))[name]
+
+
+def test_there_is_a_cpu_record():
+    assert any(d["environment"]["device"] == "cpu" for _, d in respawn_tables.respawn_records())
+
+
+def test_the_pages_show_every_record_as_rendered():
+    assert region("benchmarks.md", "bench-respawn") == respawn_tables.respawn_table()
+    assert region("respawn.md", "respawn-memory") == respawn_tables.respawn_memory()
+    for path, d in respawn_tables.respawn_records():
+        row = next(line for line in region("benchmarks.md", "bench-respawn").splitlines() if path.name in line)
+        assert f"{d['ratios']['restart_from_disk_over_respawn']:.1f}x" in row
+        assert row.endswith(f"| {d['failed_requests']} | {d['refused_connections']} |")
+        assert path.name in region("respawn.md", "respawn-memory")
+
+
+def test_each_record_holds_what_the_guide_claims():
+    for path, d in respawn_tables.respawn_records():
+        kills = d["respawn"]["kills"]
+        assert kills and len(kills) == d["repeat"], path.name
+        # No client was refused, and at most the request in flight at each kill failed, closed.
+        assert d["refused_connections"] == 0 == sum(k["refused"] for k in kills), path.name
+        assert all(len(k["failed"]) <= 1 and all(f["kind"] == "closed" for f in k["failed"]) for k in kills)
+        assert all(k["cause"] == "signal SIGKILL" for k in kills)
+        # The ratio is the medians' own; the spare's memory was measured.
+        m = d["median_s"]
+        ratio = m["restart_from_disk"] / m["death_to_next_200"]
+        assert abs(d["ratios"]["restart_from_disk_over_respawn"] - ratio) <= 0.01 * ratio
+        assert d["respawn"]["memory"]["spare_rss_bytes"] > 0
+        if d["environment"]["device"] == "cpu":
+            assert m["death_to_next_200"] <= 1.5, path.name  # the CPU claim of docs/respawn.md

@@ -1,0 +1,60 @@
+"""`wcache serve --respawn` on a real GPU: the spare holds no CUDA context (it is absent from the
+driver's list of compute processes, the serving worker is there), and a killed worker is replaced
+from the daemon's vmm_fd or cuda_ipc weights with no refused connection and answers resuming.
+
+On a machine without CUDA every test here is skipped, with the reason printed by `-ra`.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+from procs import Processes
+
+from wcache.bench_respawn import kill_under_load
+from wcache.core.checkpoint import make_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run `make test-gpu` on a GPU host)"),
+]
+
+
+def compute_pids() -> set[int]:
+    """The processes that hold a CUDA context, as the driver lists them."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return {int(x) for x in out.split()}
+
+
+@pytest.mark.parametrize("transport", ["vmm_fd", "cuda_ipc"])
+def test_the_spare_holds_no_cuda_context_and_takes_over_on_the_gpu(tmp_path, wcache_env, transport):
+    if transport == "vmm_fd":
+        from wcache.wire.transports import cuda_vmm
+
+        if not cuda_vmm.available():
+            pytest.skip(f"vmm_fd needs the CUDA driver's VMM calls: {cuda_vmm._WHY_NOT}")
+    model = make_checkpoint(tmp_path / "small", "small")
+    procs = Processes(tmp_path, wcache_env, device="cuda")
+    try:
+        procs.preload(model, "--weight-cache-transport", transport)
+        p = procs.serve(model, "--respawn", "--load-format", "ipc_cache", "--model-loader-extra-config",
+                        f'{{"fallback": false, "transport": "{transport}"}}')
+        p.wait_for(lambda: "Spare engine worker pid" in p.log(), 300, "a spare")
+        serving = int(re.findall(r"Engine ready \(pid (\d+)\)", p.log())[-1])
+        spare = int(re.findall(r"Spare engine worker pid (\d+)", p.log())[-1])
+        held = compute_pids()
+        assert serving in held and spare not in held, (serving, spare, held)
+        assert "CUDA initialized: False" in p.log()
+
+        sample = kill_under_load(p.port, serving)
+        assert sample["refused"] == 0 and len(sample["failed"]) <= 1, sample
+        assert sample["death_to_next_200_s"] <= 1.5, sample
+        p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
+        assert spare in compute_pids()  # the promoted spare made its context only now
+        assert p.stop() == 0
+    finally:
+        procs.stop_all()

@@ -1,0 +1,55 @@
+"""The guide's tables of `wcache bench --respawn` records (docs/benchmarks/*.json holding a
+``respawn`` key): a killed worker against a fresh start, and the spare's memory. Registered in
+tools/doc_tables.py; tests/docs/test_tables.py checks every region against a fresh render."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plot_bench import BENCH_DIR, NO_RECORD, fmt_bytes, fmt_ratio, fmt_seconds
+
+
+def respawn_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
+    out = []
+    for path in sorted(bench_dir.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if "respawn" in data:
+            out.append((path, data))
+    return out
+
+
+def _device(d: dict) -> str:
+    e = d["environment"]
+    return e.get("gpu") or f"CPU ({e['cpu_count']} cores)"
+
+
+def respawn_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """Per record: the medians of a killed worker to the next 200, the supervisor's death to ready,
+    a fresh `wcache serve` to its first 200 (disk and ipc_cache), the ratio, and what clients lost."""
+    rows = ["| Record | Device | Model | Transport | Killed worker to next 200 | Death to ready (supervisor) "
+            "| One answer before the kill | Fresh serve from disk to first 200 | Disk over respawn "
+            "| Fresh serve, ipc_cache | Kills | Failed requests | Refused |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for path, d in respawn_records(bench_dir):
+        m = d["median_s"]
+        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{d['model']['name']}` "
+                    f"| `{d['transport']}` | {fmt_seconds(m['death_to_next_200'])} "
+                    f"| {fmt_seconds(m['worker_death_to_ready'])} | {fmt_seconds(m['answer_before_kill'])} "
+                    f"| {fmt_seconds(m['restart_from_disk'])} "
+                    f"| {fmt_ratio(d['ratios']['restart_from_disk_over_respawn'])} "
+                    f"| {fmt_seconds(m['restart_ipc_cache'])} | {len(d['respawn']['kills'])} "
+                    f"| {d['failed_requests']} | {d['refused_connections']} |")
+    return "\n".join(rows) if len(rows) > 2 else NO_RECORD
+
+
+def respawn_memory(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """The resident memory of the idle spare, beside the serving worker's and the supervisor's."""
+    rows = ["| Record | Device | Model | Spare worker (idle) | Serving worker | Supervisor |",
+            "| --- | --- | --- | ---: | ---: | ---: |"]
+    for path, d in respawn_records(bench_dir):
+        mem = d["respawn"]["memory"]
+        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{d['model']['name']}` "
+                    f"| {fmt_bytes(mem['spare_rss_bytes'])} | {fmt_bytes(mem['serving_rss_bytes'])} "
+                    f"| {fmt_bytes(mem['supervisor_rss_bytes'])} |")
+    return "\n".join(rows) if len(rows) > 2 else NO_RECORD
