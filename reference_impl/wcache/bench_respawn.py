@@ -23,7 +23,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -32,7 +31,9 @@ from pathlib import Path
 
 from wcache.engine.respawn import STABLE_S
 from wcache.engine.spare import SPARE_READY
+from wcache.bench_failure import bench_failure
 from wcache.errors import BenchError
+from wcache.wire.sockets import short_private_dir
 
 PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding
 _READY = re.compile(r"Engine ready \(pid (\d+)\)")
@@ -155,10 +156,9 @@ class Serving:
         deadline = time.monotonic() + timeout
         while not predicate():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                from wcache.bench import _log_tail
-
-                _log_tail("wcache serve", self.text())
-                raise BenchError(BenchError.SAMPLE.format(what=what, code=self.proc.poll()))
+                code = self.proc.poll()
+                raise bench_failure(what, "wcache serve", self.text(), code=code,
+                                    waited_s=None if code is not None else timeout)
             time.sleep(0.01)
 
     def first_200(self) -> float:
@@ -236,8 +236,8 @@ def run_bench_respawn(args) -> int:
     cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
     args.device = cfg.device
     n = max(1, args.repeat)
-    work = Path(tempfile.mkdtemp(prefix="wcache-bench-respawn-"))
-    sockets = work / "sockets"
+    work = short_private_dir("wcache-respawn-")  # short whatever TMPDIR is: a socket path fits
+    sockets = work / "s"
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")
     lc = {"socket_dir": str(sockets), "fallback": False}
