@@ -66,9 +66,11 @@ def older_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
     return [r for r in bench_records(bench_dir) if not fresh(r[1])]
 
 
-def commit_of(d: dict) -> str:
-    """The commit the record measured, where it says (records before 3 December 2026 do not)."""
-    return d["environment"].get("commit", "")
+def commit_cell(d: dict) -> str:
+    """The commit the record measured, as a table shows it (records before 3 December 2026, and
+    those made in a tree without .git and without WCACHE_COMMIT, do not say)."""
+    commit = d["environment"].get("commit")
+    return f"`{commit}`" if commit else "not recorded"
 
 
 def matrix_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
@@ -151,7 +153,7 @@ def _restart_rows(recs: list[tuple[Path, dict]], first: str) -> str:
             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for path, d in recs:
         s, m = d["seconds"], d["model"]
-        label = f"`{commit_of(d)}`" if first == "Commit" else sampling_label(d)
+        label = commit_cell(d) if first == "Commit" else sampling_label(d)
         rows.append(
             f"| {run_label(path)} | `{transport_of(path, d)}` | {label} | {m['tensors']:,} "
             f"| {fmt_bytes(m['bytes'])} | {fmt_seconds(s['disk'])} | {fmt_seconds(s['zero_copy'])} "
@@ -250,7 +252,7 @@ def targets_table(bench_dir: Path = BENCH_DIR) -> str:
                         "not measured yet with fresh-process sampling |")
         for path, d in judged:
             v = _target_value(d, what)
-            where = f"| {label} | {model} | `{transport_of(path, d)}` | `{commit_of(d)}` | {sign} {goal_cell} "
+            where = f"| {label} | {model} | `{transport_of(path, d)}` | {commit_cell(d)} | {sign} {goal_cell} "
             if v is None:
                 rows.append(where + f"| | {NOT_IN_RECORD[what]} |")
                 continue
@@ -383,10 +385,9 @@ def runs_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") ->
             "| --- | --- | --- | --- | --- | --- | --- | --- | ---: |"]
     for path, d in bench_records(bench_dir):
         e = d["environment"]
-        commit = f"`{commit_of(d)}`" if commit_of(d) else ""
         rows.append(
             f"| [{path.name}]({link_prefix}{path.name}) | {e['date'].replace('T', ' ').replace('+00:00', '')} "
-            f"| {commit} | {e.get('gpu', e['device'])} | {e.get('driver', '')} | {e['torch']} | {e.get('cuda', '')} "
+            f"| {commit_cell(d)} | {e.get('gpu', e['device'])} | {e.get('driver', '')} | {e['torch']} | {e.get('cuda', '')} "
             f"| {e['python']} | {d['repeat']} |")
     return "\n".join(rows)
 

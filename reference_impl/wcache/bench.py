@@ -218,12 +218,14 @@ def _run_bench(args, work: Path) -> int:
         from wcache.bench_start import engine_start, start_floor
 
         engine_start(args, work, "ipc_cache", lc_zero)  # not kept: the first start of the run
-        starts = {"disk": [], "ipc_cache": [], "floor": []}
+        starts = {"disk": [], "ipc_cache": []}
+        floor = []
         for _ in range(n):
             for fmt in starts:
                 starts[fmt].append(engine_start(args, work, "ipc_cache", lc_zero) if fmt == "ipc_cache"
                                    else engine_start(args, work, "safetensors"))
-            starts["floor"].append(start_floor(args))
+            floor.append(start_floor(args))
+        starts["floor"] = floor
         handback = handback_restart(args, work, daemon, lc_zero, lambda: DaemonUnderTest(
             cfg.model, cfg.device, args.dtype, sockets, args.transport), tensors_kind)
         daemon = handback.pop("daemon")
