@@ -543,12 +543,13 @@ def main() -> int:
     except UserError as e:
         log.error("%s", e)
         return 2
+    # Logged before the launcher hears of it: whoever reads READY finds the phases already there.
+    log.info(START_PHASES.format(rank=daemon.rank, phases=json.dumps(start_phases(spec))))
     ready.write(json.dumps({"rank": daemon.rank, "socket": str(daemon.path), "device_id": daemon.device_id,
                             "weights_bytes": daemon.weights_bytes}) + "\n")
     ready.close()
     serving.set()
     log.info("Rank %d serving on %s", daemon.rank, daemon.path)
-    log.info(START_PHASES.format(rank=daemon.rank, phases=json.dumps(start_phases(spec))))
     try:
         daemon.serve(listener)
     finally:
