@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import _healthy, child_pids, complete, free_port, http, wait_until
+from procs import _healthy, alive, child_pids, complete, free_port, http, wait_until
 from wcache.model import tokenizer
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig, Ranks
@@ -30,6 +30,7 @@ from wcache.engine.loading.ipc_cache import IpcCacheLoader
 from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.wire.sockets import DaemonLock, prepare_socket_dir, socket_name
 from wcache.engine.supervisor import WORKERS_EXITED
+from wcache.errors import DaemonLockError
 
 NO_TUNE = "--no-enable-autotune"
 PROMPT = "Hello"
@@ -236,7 +237,32 @@ def test_draft_group_routes_the_draft_automatically(procs, model32, draft32, exp
 
 
 def test_a_rank_that_fails_at_startup_takes_the_group_down(procs, model32, wcache_env):
-    # Another process owns rank 1's socket, so rank 1 fails after loading; rank 0 is then stopped.
+    # Something answers at rank 1's socket path once the launcher has taken the locks (so this is
+    # not another daemon): rank 1 refuses to replace it and fails; rank 0 is then stopped.
+    d = prepare_socket_dir(None, create=True)
+    path = d / socket_name(device_identity("cpu", 1))
+    pre = procs.preload(model32, "-tp", "2", NO_TUNE, ready=False)
+    wait_until(lambda: len(child_pids(pre.pid)) == 2, 60, "the launcher to start both ranks")
+    ranks = child_pids(pre.pid)
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        squatter.bind(str(path))
+        squatter.listen(8)
+        assert pre.exit_code(90) == 2
+    finally:
+        squatter.close()
+        path.unlink(missing_ok=True)
+    log = pre.log()
+    assert DaemonLockError.LIVE_SOCKET.format(path=path) in log
+    assert STARTUP_FAILED.format(codes={1: 2}) in log
+    # Rank 0 was stopped by the launcher (in the daemons' rendezvous, waiting for rank 1, SIGTERM
+    # ends it at once without a log line), and left no socket.
+    assert not any(alive(pid) for pid in ranks)
+    assert not (d / socket_name(device_identity("cpu", 0))).exists()
+    assert "READY" not in log
+
+
+def test_a_rank_whose_lock_is_held_fails_the_launcher_before_any_rank_starts(procs, model32, wcache_env):
     d = prepare_socket_dir(None, create=True)
     held = DaemonLock(d / socket_name(device_identity("cpu", 1)))
     held.acquire()
@@ -246,11 +272,11 @@ def test_a_rank_that_fails_at_startup_takes_the_group_down(procs, model32, wcach
     finally:
         held.release()
     log = pre.log()
-    assert "Another weight cache daemon already owns" in log
-    assert STARTUP_FAILED.format(codes={1: 2}) in log
-    assert "Rank 0 stopped" in log  # terminated by the launcher, socket removed
-    assert not (d / socket_name(device_identity("cpu", 0))).exists()
-    assert "READY" not in log
+    assert DaemonLockError.TEMPLATE.format(path=d / socket_name(device_identity("cpu", 1))) in log
+    assert "Rank 0" not in log and "exited during startup" not in log  # no rank was started
+    rank0 = DaemonLock(d / socket_name(device_identity("cpu", 0)))
+    rank0.acquire()  # the launcher let go of the lock it took for rank 0
+    rank0.release()
 
 
 

@@ -147,17 +147,20 @@ def run_preload(args) -> int:
     plan = plan_local_ranks(args, cfg)
     log.info("Daemon plan: %s", plan.describe())
     planned = plan.layout.local_ranks()
+    seeding = preload_seed_settings(args)  # flags only: every check that needs no lock comes first
+    seeds = seeding["seeds"]
+    if seeds is not None and len(seeds) != len(planned):
+        raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
     locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups)
     try:
-        return _run_ranks(args, cfg, plan, planned, locks)
+        return _run_ranks(args, cfg, plan, planned, locks, seeding)
     finally:
         for lock in locks:
             lock.release()  # those not handed to a rank: an error before every rank started
 
 
-def _run_ranks(args, cfg, plan, planned, locks) -> int:
-    seeding = preload_seed_settings(args)
-
+def _run_ranks(args, cfg, plan, planned, locks, seeding) -> int:
+    """Start a rank per lock (handing each its lock), report readiness, and stop them all at the end."""
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.set())
@@ -175,10 +178,9 @@ def _run_ranks(args, cfg, plan, planned, locks) -> int:
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"])
     seeds = seeding["seeds"]
-    if seeds is not None and len(seeds) != len(planned):
-        raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
     ranks = []
     try:
+        # The locks are in this order (claim_rank_sockets): each group, each of its ranks.
         for lock, (group, i, r) in zip(locks, [(g, i, r) for g in plan.groups for i, r in enumerate(planned)]):
             ranks.append(RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None), lock))
         code = _await_ready(ranks, stop)
