@@ -17,6 +17,8 @@
 #   vmm, ipc         the same, one transport each (when bench8b would not fit one call)
 #   bench10k         tensors-10k checkpoint (240), then `wcache bench` with vmm_fd (240)
 #                                                    -> tensors-10k-vmm_fd.json and .log
+#   respawn          llama-8b checkpoint (240), then `wcache bench --respawn` with vmm_fd (300)
+#                                                    -> llama-8b-respawn.json and .log
 # tests + pages1 + pages2 together are `make test-gpu` (WCACHE_RUN_GPU_BLOCKS=1 pytest tests -m gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +82,10 @@ for s in "$@"; do
     bench10k)
       checkpoint /tmp/t10k tensors-10k || rc=1
       bench /tmp/t10k tensors-10k vmm_fd 240 || rc=1 ;;
+    respawn)
+      checkpoint /tmp/l8 llama-8b || rc=1
+      stage "bench llama-8b respawn" 300 llama-8b-respawn.log wcache bench --respawn --model /tmp/l8 --device cuda \
+        --transport vmm_fd --repeat 3 --json --output "$OUT/llama-8b-respawn.json" || rc=1 ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
