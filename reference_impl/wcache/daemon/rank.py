@@ -453,10 +453,12 @@ def main() -> int:
     except UserError as e:
         log.error("%s", e)
         return 2
+    # Logged before the report: the launcher logs READY once every rank has reported, so a reader
+    # that waits for READY (wcache wait --log) finds this line above it, never after.
+    log.info("Rank %d serving on %s", daemon.rank, daemon.path)
     ready.write(json.dumps({"rank": daemon.rank, "socket": str(daemon.path), "device_id": daemon.device_id,
                             "weights_bytes": daemon.weights_bytes}) + "\n")
     ready.close()
-    log.info("Rank %d serving on %s", daemon.rank, daemon.path)
     try:
         daemon.serve(listener)
     finally:
