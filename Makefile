@@ -92,9 +92,9 @@ $(DOCS_VENV)/.installed: pyproject.toml
 docs: $(DOCS_VENV)/.installed docs-assets
 	$(DOCS_VENV)/bin/mkdocs build --strict
 
-# The guide at http://127.0.0.1:8001/, rebuilt on every save (8000 is wcache serve's default port).
+# The guide at http://127.0.0.1:8765/, rebuilt on every save (the guide's pages use ports 80xx to 84xx).
 docs-serve: $(DOCS_VENV)/.installed docs-assets
-	$(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+	$(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8765
 
 clean:
 	rm -rf $(VENV) $(DOCS_VENV) site .pytest_cache $(MERMAID_JS) docs/javascripts/mermaid.version

@@ -30,5 +30,5 @@ def test_make_docs_installs_the_docs_extra_alone():
                               check=True).stdout
         assert "extra_requirements.py docs | xargs .work/docs-venv/bin/python -m pip install" in plan, plan
         assert "[dev]" not in plan and "torch" not in plan and "transformers" not in plan, plan
-    assert "127.0.0.1:8001" in subprocess.run(["make", "-n", "-B", "docs-serve"], cwd=ROOT, capture_output=True,
+    assert "127.0.0.1:8765" in subprocess.run(["make", "-n", "-B", "docs-serve"], cwd=ROOT, capture_output=True,
                                               text=True, check=True).stdout
