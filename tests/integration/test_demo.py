@@ -68,6 +68,7 @@ def test_demo_completes_the_sentence_and_prints_both_load_times_their_ratio_and_
     assert leftovers(wcache_env) == [], "the demo left its checkpoints behind"
 
 
+@pytest.mark.slow  # about 40 s: it trains the sentence model and starts an engine before the Ctrl-C
 def test_ctrl_c_stops_the_demo_and_removes_its_directory(wcache_env):
     """Ctrl-C reaches the demo's whole process group (the demo, its engine, its daemon): the
     temporary directory goes with it, and no wcache process outlives the demo."""
