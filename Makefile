@@ -16,7 +16,7 @@ XDIST := -n 2 --dist loadgroup
 MERMAID_VERSION := 11.12.0
 MERMAID_JS := docs/javascripts/mermaid.min.js
 
-.PHONY: demo test test-fast test-costs test-gpu lint docs docs-assets browser-deps clean venv dev
+.PHONY: demo test test-fast test-costs test-gpu lint docs docs-serve docs-assets browser-deps clean venv dev
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,8 +78,23 @@ test-gpu: $(VENV)/.dev-installed
 lint:
 	$(MARKDOWNLINT) "docs/**/*.md" README.md
 
-docs: $(VENV)/.dev-installed docs-assets
-	$(VENV)/bin/mkdocs build --strict
+# The site needs only pyproject's docs extra (mkdocs and its theme and extensions), in a venv of its
+# own: not torch, not the test tools (tests/docs/test_make_docs.py keeps it so).
+DOCS_VENV := .work/docs-venv
+
+$(DOCS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PYTHON) tools/extra_requirements.py docs | xargs $(DOCS_VENV)/bin/python -m pip install -q
+	touch $@
+
+# The guide as HTML in site/ (open site/index.html).
+docs: $(DOCS_VENV)/.installed docs-assets
+	$(DOCS_VENV)/bin/mkdocs build --strict
+
+# The guide at http://127.0.0.1:8765/, rebuilt on every save (the guide's pages use ports 80xx to 84xx).
+docs-serve: $(DOCS_VENV)/.installed docs-assets
+	$(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8765
 
 clean:
-	rm -rf $(VENV) site .pytest_cache $(MERMAID_JS) docs/javascripts/mermaid.version
+	rm -rf $(VENV) $(DOCS_VENV) site .pytest_cache $(MERMAID_JS) docs/javascripts/mermaid.version

@@ -5,12 +5,12 @@ The flags of every command are in flags.py; this module picks the command and ru
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 
 from wcache import __version__, flags, logs
+from wcache.parser import Parser
 
 log = logging.getLogger("wcache.cli")
 
@@ -28,7 +28,7 @@ COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or only of ``command`` when it names one: adding a command's
     flags imports what their choices need, torch included, which `wcache wait` does not."""
-    parser = argparse.ArgumentParser(prog="wcache", description=__doc__.splitlines()[0])
+    parser = Parser(prog="wcache", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"wcache {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -85,8 +85,10 @@ class WeightCacheError(UserError):
 
 
 class ExternalWeightsExceedBudgetError(UserError):
-    TEMPLATE = ("Externally held weights ({external}) exceed the desired GPU memory utilization "
+    # Upstream's text on a GPU; on CPU the capacity is --cpu-memory-capacity, and the text says so.
+    TEMPLATE = ("Externally held weights ({external}) exceed the desired {memory} utilization "
                 "({utilization} x {capacity} = {budget}); {fix}")
+    MEMORY = {"cuda": "GPU memory", "cpu": "CPU memory"}
     FIX_RAISE = "raise --gpu-memory-utilization to at least {needed}"
     FIX_SMALL = ("they exceed the device's capacity: give each rank a smaller share of the model "
                  "(more tensor or pipeline parallelism)")

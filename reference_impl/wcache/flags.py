@@ -19,11 +19,11 @@ from wcache.wait import DEFAULT_TIMEOUT_S, READY
 def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     from wcache.core.checkpoint import DTYPES, PRESETS
 
-    p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("dir", help="directory to write (created if missing)")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model size (core/checkpoint.py PRESETS)")
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights: the same seed, the same bytes")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the stored weights")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -121,7 +121,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_serve_rank_args(p)
     p.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
                    help="ipc_cache loader settings as a JSON object (see the loader key table)")
-    p.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address the HTTP API listens on; the API has no authentication: 0.0.0.0 answers "
+                        "anyone who can reach this host, 127.0.0.1 this host only")
     p.add_argument("--port", type=int, default=8000,
                    help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
     p.add_argument("--respawn", action="store_true",
@@ -132,7 +134,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
                    help="share of the device for weights (the daemon's included), activations and the "
-                        "KV cache (default 0.9)")
+                        "KV cache")
     p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
                    help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                         "e.g. 8GiB (default: the host's physical memory)")
@@ -152,14 +154,15 @@ def add_preload_args(p) -> None:
     g.add_argument("--weight-cache-health-port", type=int, default=None, metavar="PORT",
                    help="serve GET /health on this port: 200 once every rank serves, else 503 (default: off)")
     g.add_argument("--weight-cache-health-host", default="0.0.0.0", metavar="HOST",
-                   help="address for the health endpoint")
+                   help="address for the health endpoint (no authentication; it says only whether the "
+                        "ranks serve)")
     g.add_argument("--weight-cache-transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
                    help="how GPU weights are shared: vmm_fd (a CUDA VMM allocation passed as a file descriptor; "
                         "crosses container namespaces), cuda_ipc (legacy CUDA IPC handle), or auto (vmm_fd when "
-                        "cuda-python's driver bindings are installed); CPU always uses a memfd")
+                        "the CUDA driver, libcuda.so.1, offers the VMM calls, else cuda_ipc); CPU always uses a memfd")
     g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
                    help="before loading, take the weights back from a running zero_copy engine whose daemon "
-                        "died (memfd and vmm_fd arenas; see docs/how-it-works.md, Restarts)")
+                        "died (memfd and vmm_fd arenas; see docs/lifecycle.md, A restarted daemon takes the weights back)")
     g.add_argument("--weight-cache-rehash", default=False, action="store_true",
                    help="hash every checkpoint file on this start instead of reusing the digests remembered "
                         "by file identity (for a change that no file time shows, e.g. one written below the filesystem)")
@@ -178,8 +181,8 @@ def add_preload_args(p) -> None:
 
 def add_bench_args(p) -> None:
     p.add_argument("--model", required=True, help="model directory to time")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto picks cuda when available")
+    p.add_argument("--dtype", default="auto", help="as serve's --dtype")
     p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
                    help="the daemon's --weight-cache-transport (CUDA only)")
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
@@ -199,4 +202,4 @@ def add_wait_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pid", type=int, default=None,
                    help="fail at once if this process exits before everything is ready (e.g. $!)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give up after this many seconds (default {DEFAULT_TIMEOUT_S:g})")
+                   help="give up after this many seconds; a large model's daemon may need more")

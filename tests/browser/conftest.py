@@ -97,11 +97,11 @@ def browser(chromium_path):
 
 
 class Visit:
-    """One page opened at 1280 px: its console errors, failed and external requests."""
+    """One page opened at 1280 px (or another viewport): its console errors, failed and external requests."""
 
-    def __init__(self, browser, base_url: str, path: str):
+    def __init__(self, browser, base_url: str, path: str, viewport: dict | None = None):
         self.base_url, self.path = base_url, path
-        self.context = browser.new_context(viewport=VIEWPORT)
+        self.context = browser.new_context(viewport=viewport or VIEWPORT)
         self.context.add_init_script(OPEN_SHADOW_ROOTS)
         self.page = self.context.new_page()
         self.errors: list[str] = []
@@ -129,8 +129,8 @@ class Visit:
 def visit(browser, base_url):
     opened: list[Visit] = []
 
-    def open_page(path: str) -> Visit:
-        v = Visit(browser, base_url, path)
+    def open_page(path: str, viewport: dict | None = None) -> Visit:
+        v = Visit(browser, base_url, path, viewport)
         opened.append(v)
         v.open()
         return v

@@ -23,3 +23,12 @@ def mermaid_count(path: str) -> int:
     """How many Mermaid diagrams the page at this URL path has in its Markdown."""
     md = DOCS / ("index.md" if not path else path.rstrip("/") + ".md")
     return len(re.findall(r"^\s*```mermaid\s*$", md.read_text(encoding="utf-8"), re.MULTILINE))
+
+
+def page_markdown(path: str) -> str:
+    return (DOCS / ("index.md" if not path else path.rstrip("/") + ".md")).read_text(encoding="utf-8")
+
+
+def output_count(path: str) -> int:
+    """How many expected-output blocks (``<!-- block: expect-output -->``) the page has."""
+    return len(re.findall(r"^<!-- block: expect-output -->\s*$", page_markdown(path), re.MULTILINE))

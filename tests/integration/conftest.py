@@ -78,4 +78,5 @@ def main(capfd):
         out, err = capfd.readouterr()
         return code, out + err
 
+    run.capfd = capfd  # for what a run that raised SystemExit printed
     return run

@@ -7,6 +7,7 @@ path up to the exit status, without paying an interpreter start per case).
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from procs import free_port
+from wcache import cli
 from wcache.errors import (
     DeviceError,
     EngineWorldError,
@@ -45,6 +47,8 @@ def processes(tiny_model, module_env):
                                           "--model-loader-extra-config", '{"fallback": true}'),
         "preload_gptq": preload(tiny_model, "-q", "gptq"),
         "preload_ipc_cache": preload(tiny_model, "--load-format", "ipc_cache"),
+        "serve_typo": ["serve", "tiny", "--load-fromat", "ipc_cache"],
+        "preload_typo": ["preload", "--modle", "x"],
     }
 
     def run(args):
@@ -158,3 +162,60 @@ def test_serve_refuses_a_max_model_len_that_is_not_positive(main, tiny_model, va
     with pytest.raises(SystemExit) as e:  # argparse: usage, then the error, status 2
         main(*serve(tiny_model, "--max-model-len", value))
     assert e.value.code == 2
+
+
+# -- Mistyped flags: each command names the flag it was given and the nearest valid one -----------
+
+
+def command_parser(command: str):
+    parser = cli.build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def typo(flag: str) -> str:
+    """``flag`` with two letters of its name swapped (--load-format -> --load-fromat)."""
+    i = len(flag) // 2 + 1
+    return flag[:i] + flag[i + 1] + flag[i] + flag[i + 2:]
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_a_mistyped_flag_is_named_with_the_nearest_valid_one(main, command):
+    """For every subcommand: its own usage (not the top-level one), the typo, the flag meant, exit 2;
+    before any required-argument check (`preload --modle x` once said only that --model is required)."""
+    flags = [s for a in command_parser(command)._actions for s in a.option_strings if s.startswith("--")]
+    meant = max((f for f in flags if f != "--help"), key=len)
+    wrong = typo(meant)
+    assert wrong not in flags
+    with pytest.raises(SystemExit) as e:
+        main(command, wrong, "x")
+    out = main.capfd.readouterr().err
+    assert e.value.code == 2
+    assert out.startswith(f"usage: wcache {command} "), out
+    assert f"wcache {command}: error: unrecognized argument {wrong}; did you mean {meant}?" in out, out
+
+
+def test_a_mistyped_global_flag_is_named_too(main):
+    with pytest.raises(SystemExit) as e:
+        main("--log-levl", "DEBUG", "wait", "--timeout", "1")
+    out = main.capfd.readouterr().err
+    assert e.value.code == 2
+    assert "wcache: error: unrecognized argument --log-levl; did you mean --log-level?" in out, out
+
+
+@pytest.mark.parametrize("argv", [["wait", "--timeout", "-5"], ["wait", "--text=-x", "--timeout", "1", "--pid", "1"],
+                                  ["wait", "--time", "1", "--text", "-x y"]])
+def test_values_that_look_like_flags_and_abbreviations_are_not_refused(argv):
+    """A negative number, a value after `=` or after its flag, and argparse's unambiguous
+    abbreviations (--time for --timeout) parse as before."""
+    args = cli.build_parser("wait").parse_args(argv)
+    assert args.command == "wait"
+
+
+def test_the_issue_s_typos_as_real_processes(processes):
+    code, out = processes["serve_typo"]
+    check(code, out, "wcache serve: error: unrecognized argument --load-fromat; did you mean --load-format?")
+    assert "usage: wcache serve " in out
+    code, out = processes["preload_typo"]
+    check(code, out, "wcache preload: error: unrecognized argument --modle; did you mean --model?")
+    assert "required" not in out, out

@@ -56,12 +56,12 @@ def test_zero_copy_counts_the_daemons_weights_once_and_sizes_the_kv_cache(procs,
     small = procs.serve(tiny_model, "--load-format", "ipc_cache", "--no-enable-autotune",
                         "--cpu-memory-capacity", "1MiB", ready=False)
     assert small.exit_code() == 2
-    assert ("Externally held weights (1.75 MiB) exceed the desired GPU memory utilization (0.9 x 1.00 MiB = "
+    assert ("Externally held weights (1.75 MiB) exceed the desired CPU memory utilization (0.9 x 1.00 MiB = "
             "921.60 KiB); they exceed the device's capacity") in small.log()
     tight = procs.serve(tiny_model, "--load-format", "ipc_cache", "--no-enable-autotune",
                         "--cpu-memory-capacity", "2MiB", "--gpu-memory-utilization", "0.5", ready=False)
     assert tight.exit_code() == 2
-    assert ("Externally held weights (1.75 MiB) exceed the desired GPU memory utilization (0.5 x 2.00 MiB = "
+    assert ("Externally held weights (1.75 MiB) exceed the desired CPU memory utilization (0.5 x 2.00 MiB = "
             "1.00 MiB); raise --gpu-memory-utilization to at least 0.88") in tight.log()
     assert complete(engine.port)["usage"]["completion_tokens"] == 8
 

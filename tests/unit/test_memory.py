@@ -58,6 +58,8 @@ def test_external_weights_exceed_budget_message():
         memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB)
     assert str(e.value) == ("Externally held weights (6.00 MiB) exceed the desired GPU memory utilization "
                             "(0.5 x 10.00 MiB = 5.00 MiB); raise --gpu-memory-utilization to at least 0.60")
+    with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the desired CPU memory utilization"):
+        memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB, device_type="cpu")
     with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the device's capacity"):
         memory.check_external(capacity=10 * MiB, utilization=0.9, external=11 * MiB)
     memory.check_external(capacity=10 * MiB, utilization=0.6, external=6 * MiB)  # fits exactly

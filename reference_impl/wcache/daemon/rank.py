@@ -543,13 +543,15 @@ def main() -> int:
     except UserError as e:
         log.error("%s", e)
         return 2
-    # Logged before the launcher hears of it: whoever reads READY finds the phases already there.
+    # Logged before the launcher hears of it: whoever reads READY (the bench, `wcache wait --log`)
+    # finds the phases and the serving line already above it, never after.
     log.info(START_PHASES.format(rank=daemon.rank, phases=json.dumps(start_phases(spec))))
+    log.info("Rank %d serving on %s", daemon.rank, daemon.path)
     ready.write(json.dumps({"rank": daemon.rank, "socket": str(daemon.path), "device_id": daemon.device_id,
-                            "weights_bytes": daemon.weights_bytes}) + "\n")
+                            "weights_bytes": daemon.weights_bytes}) + "
+")
     ready.close()
     serving.set()
-    log.info("Rank %d serving on %s", daemon.rank, daemon.path)
     try:
         daemon.serve(listener)
     finally:

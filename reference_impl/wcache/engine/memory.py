@@ -140,7 +140,7 @@ def external_weights(lease) -> int:
         return lease.external_bytes
 
 
-def check_external(capacity: int, utilization: float, external: int) -> None:
+def check_external(capacity: int, utilization: float, external: int, device_type: str = "cuda") -> None:
     """Fail before profiling when the daemon's weights alone do not fit the budget."""
     budget = int(capacity * utilization)
     if external > budget:
@@ -150,7 +150,8 @@ def check_external(capacity: int, utilization: float, external: int) -> None:
         else:
             fix = ExternalWeightsExceedBudgetError.FIX_SMALL
         raise ExternalWeightsExceedBudgetError(
-            external=format_bytes(external), utilization=f"{utilization:g}", capacity=format_bytes(capacity),
+            external=format_bytes(external), memory=ExternalWeightsExceedBudgetError.MEMORY[device_type],
+            utilization=f"{utilization:g}", capacity=format_bytes(capacity),
             budget=format_bytes(budget), fix=fix)
 
 

@@ -172,7 +172,7 @@ class RankRunner:
         o, cfg = self.options, self.cfg
         external = sum(memory.external_weights(ld.lease) for ld in self.loads)  # the daemons' own count
         capacity = memory.device_capacity(self.device, o.cpu_memory_capacity)
-        memory.check_external(capacity, o.gpu_memory_utilization, external)
+        memory.check_external(capacity, o.gpu_memory_utilization, external, self.device.type)
         models = [m for m in (self.model, self.draft) if m is not None]
         want = min(o.max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.shape.max_positions)
         lookahead = self.draft_spec["k"] + 1 if self.draft_spec else 0  # speculative positions past the output
