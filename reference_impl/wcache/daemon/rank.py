@@ -548,8 +548,7 @@ def main() -> int:
     log.info(START_PHASES.format(rank=daemon.rank, phases=json.dumps(start_phases(spec))))
     log.info("Rank %d serving on %s", daemon.rank, daemon.path)
     ready.write(json.dumps({"rank": daemon.rank, "socket": str(daemon.path), "device_id": daemon.device_id,
-                            "weights_bytes": daemon.weights_bytes}) + "
-")
+                            "weights_bytes": daemon.weights_bytes}) + "\n")
     ready.close()
     serving.set()
     try:
