@@ -2,7 +2,7 @@
 it and with the code.
 
 * The record names its run (time, commit, command) and holds exactly the attacks that
-  tests/faults/test_fault_attacks.py measures: a partial or merged record, or one missing an attack
+  tests/faults/test_fault_attacks.py and test_fault_http.py measure: a partial or merged record, or one missing an attack
   added since, fails.
 * Every figure keeps the code's bound for it (tests/faults/attacklib.py BOUNDS, the same check the
   test made when it measured it).
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "faults"))  # attacklib
 
-from attacklib import BOUNDS, FIGURES_FILE, bound_problems, measured_attacks  # noqa: E402
+from attacklib import BOUNDS, FIGURES_FILE, RECORD_COMMAND, bound_problems, measured_attacks  # noqa: E402
 from wcache.daemon.rank import IN_FLIGHT_BYTES, REQUEST_TIMEOUT_S  # noqa: E402
 from wcache.engine.server import MAX_CONNECTIONS  # noqa: E402
 from wcache.wire.handback import ASK_BUDGET_S  # noqa: E402
@@ -45,7 +45,7 @@ def record_problems(record: dict, page: str) -> list[str]:
     expected = measured_attacks()
     if set(attacks) != expected:
         out.append(f"the record holds {sorted(attacks)}, the attack tests measure {sorted(expected)}: "
-                   "publish one whole run (WCACHE_WRITE_FIGURES=1, tests/faults/test_fault_attacks.py)")
+                   f"publish one whole run ({RECORD_COMMAND})")
     for attack, values in attacks.items():
         out += bound_problems(attack, values)
     rows = [line for line in page.splitlines() if line.startswith("| ")]

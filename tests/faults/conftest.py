@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # faultlib
 
+from attacklib import publish
 from faultlib import TALLY, default_socket, rank_pids
 import parallel
 from procs import Processes, private_env
@@ -51,3 +52,12 @@ def rank(daemon):
 
 def pytest_terminal_summary(terminalreporter):
     parallel.section(terminalreporter, "wcache fault suite", [TALLY.line()] if TALLY.faults or TALLY.frames else [])
+
+
+def pytest_sessionfinish(session):
+    """This run's attack figures become docs/faults-attacks.json under WCACHE_WRITE_FIGURES=1, once
+    every attack test has run (attacklib.publish); an incomplete run fails instead of writing."""
+    why_not = publish()
+    if why_not:
+        sys.stderr.write(why_not + "\n")
+        session.exitstatus = 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from attacklib import CLOSE_SLACK_S, Peak, figure, fds, publish, rss_mib, threads, timed
+from attacklib import CLOSE_SLACK_S, Peak, figure, fds, rss_mib, threads, timed
 from faultlib import call, frame, settle, split_replies, wait_until
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
@@ -37,13 +37,6 @@ from wcache.wire.handback import ASK_BUDGET_S, OFFER_PREFIX
 from wcache.wire.protocol import MAX_FDS, MAX_FRAME_BYTES, recv_frame, reply, request, send_frame
 from wcache.wire.sockets import socket_name
 from wcache.wire.transports.memfd import MemfdArena
-
-
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    """After the module: this run's figures become docs/faults-attacks.json under WCACHE_WRITE_FIGURES=1."""
-    yield
-    publish()
 
 
 NO_TUNE = "--no-enable-autotune"
