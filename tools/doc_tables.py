@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import headline
 import plot_bench
 import respawn_tables
 
@@ -244,7 +245,14 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "gpu-tests-summary": plot_bench.gpu_tests_summary,
     "bench-respawn": respawn_tables.respawn_table,
     "respawn-memory": respawn_tables.respawn_memory,
+    "headline": headline.headline,
+    "headline-readme": headline.headline_readme,
 }
+
+
+def guide_pages() -> list[Path]:
+    """Every page with generated regions: the guide's, and the README (its headline)."""
+    return sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
 
 
 def regions(text: str) -> list[tuple[str, str]]:
@@ -266,7 +274,7 @@ def render_page(text: str) -> str:
 def stale(pages: list[Path] | None = None) -> list[str]:
     """Regions (page: name) whose text differs from a fresh render."""
     found = []
-    for page in pages or sorted(DOCS.rglob("*.md")):
+    for page in pages or guide_pages():
         text = page.read_text(encoding="utf-8")
         fresh = dict(regions(render_page(text)))
         for name, body in regions(text):
@@ -287,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in bad:
             print(f"stale: {b} (run python tools/doc_tables.py)", file=sys.stderr)
         return 1 if bad else 0
-    for page in sorted(DOCS.rglob("*.md")):
+    for page in guide_pages():
         text = page.read_text(encoding="utf-8")
         new = render_page(text)
         if new != text:

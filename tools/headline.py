@@ -1,0 +1,86 @@
+"""The README's and the guide's home page's headline: what an engine restart costs, end to end, from
+the newest records (not typed by hand). Registered in tools/doc_tables.py as ``headline`` (for
+docs/index.md) and ``headline-readme`` (README.md, whose links start at the repository root);
+tests/docs/test_tables.py checks both against a fresh render, like every generated region.
+
+It says where the rest of a start goes: the weights are milliseconds, and what remains of an engine
+start via the cache is Python, `import torch` and the CUDA context (the bench's floor), which only
+`wcache serve --respawn` takes off a crash's path.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from plot_bench import BENCH_DIR, fresh_records
+from respawn_tables import respawn_records
+
+GPU_RECORD = "-h200-llama-8b-vmm_fd.json"  # the headline's model and transport, on the GPU
+RESPAWN_RECORD = "-h200-llama-8b-respawn.json"
+CPU_RECORD_DIR = "cpu"  # the CPU bench records (docs/benchmarks/cpu/)
+
+
+def _newest(records, suffix: str):
+    found = [(p, d) for p, d in records if p.name.endswith(suffix)]
+    return found[-1] if found else (None, None)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1000:.1f} ms"
+
+
+def _s(s: float) -> str:
+    return f"{s:.2f} s"
+
+
+def headline(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    path, d = _newest(fresh_records(bench_dir), GPU_RECORD)
+    rpath, r = _newest(respawn_records(bench_dir), RESPAWN_RECORD)
+    cpu = fresh_records(bench_dir / CPU_RECORD_DIR)
+    if d is None:
+        return "No GPU record yet: see the benchmarks page."
+    env, sec, start, hb = d["environment"], d["seconds"], d["engine_start"], d.get("handback", {})
+    rows = [
+        "| Measured in fresh processes | From disk | Via the cache |",
+        "| --- | ---: | ---: |",
+        f"| Weights ready in a new engine | {_s(sec['disk'])} | {_ms(sec['zero_copy'])} (`zero_copy`) |",
+        f"| Engine start to `/health` 200 | {_s(start['disk']['seconds'])} | {_s(start['ipc_cache']['seconds'])} |",
+        f"| of which Python, `import torch` and the CUDA context (the floor) | | {_s(start['floor']['seconds'])} |",
+    ]
+    if hb.get("adopted"):
+        rows.append(f"| Daemon restart to READY (it takes the weights back from a running engine) | "
+                    f"{_s(hb['first_start_to_ready_s'])} (first start) | {_s(hb['restart_to_ready_s'])} |")
+    if r is not None:
+        kill = r["median_s"]["death_to_next_200"]
+        rows.append(f"| A killed engine answering again, under `wcache serve --respawn` | "
+                    f"{_s(r['median_s']['restart_from_disk'])} (a fresh start) | {_s(kill)} |")
+    out = [
+        f"On one {env['gpu']} with the `llama-8b` test checkpoint "
+        f"({d['model']['bytes'] / 2**30:.1f} GiB, `{d['transport']}`; driver {env['driver']}, torch {env['torch']}, "
+        f"{env['date'][:10]}, commit `{env.get('commit', 'not recorded')}`):",
+        "",
+        *rows,
+        "",
+        f"So the cache makes the weights free, and a restarted engine is then "
+        f"{start['ipc_cache']['seconds'] - start['floor']['seconds']:.2f} s above the floor of a bare "
+        "interpreter with torch and a CUDA context: the rest of its start is Python and CUDA, which only "
+        "`--respawn` (a spare worker, imported in advance) takes off a crash's path.",
+    ]
+    if cpu:
+        cp, c = cpu[-1]
+        ce = c["engine_start"]
+        out += ["", f"On a CPU (the `small` preset, {c['environment']['cpu_count']} cores, "
+                    f"{c['environment']['date'][:10]}), an engine starts from disk in {_s(ce['disk']['seconds'])} "
+                    f"and via the cache in {_s(ce['ipc_cache']['seconds'])}."]
+    links = [f"[{p.name}]({link_prefix}{p.relative_to(bench_dir).as_posix()})"
+             for p in (path, rpath, cpu[-1][0] if cpu else None) if p is not None]
+    out += ["", "Records: " + ", ".join(links) + "."]
+    # Prose wrapped to the guide's 120 columns (markdownlint); table rows stay whole.
+    return "\n".join(line if line.startswith("|") else textwrap.fill(line, 100, break_long_words=False,
+                                                                      break_on_hyphens=False)
+                     for line in out)
+
+
+def headline_readme() -> str:
+    return headline(link_prefix="docs/benchmarks/")
