@@ -435,7 +435,9 @@ def matrix_runs(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -
     return "\n".join(rows)
 
 
-_SUMMARY = re.compile(r"^=+ (?P<s>.*\d+ (?:passed|failed).*?) =+$|^(?P<t>\d+ (?:passed|failed)[^=]*)$", re.MULTILINE)
+# pytest's last line: counts of passed or failed tests, or of collection errors (a run that stopped there).
+_SUMMARY = re.compile(r"^=+ (?P<s>.*\d+ (?:passed|failed|errors?)\b.*?) =+$|^(?P<t>\d+ (?:passed|failed)[^=]*)$",
+                      re.MULTILINE)
 
 
 def gpu_test_logs(bench_dir: Path = BENCH_DIR) -> list[Path]:
@@ -451,7 +453,9 @@ def gpu_tests_summary(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmark
         found = [m.group("s") or m.group("t") for m in _SUMMARY.finditer(text)]
         if not found:
             raise ValueError(f"{log}: no pytest summary line")
-        failed = ", ".join(f"`{m.group(1)}`" for m in re.finditer(r"^FAILED (\S+)", text, re.MULTILINE))
+        # pytest's short summary: a failed test, or a test file that could not be collected
+        failed = ", ".join(dict.fromkeys(f"`{m.group(1)}`" for m in re.finditer(r"^(?:FAILED|ERROR) (tests/\S+)", text,
+                                                                               re.MULTILINE)))
         rows.append(f"| [{log.name}]({link_prefix}{log.name}) | `{found[-1].strip()}` | {failed or 'none'} |")
     return "\n".join(rows)
 
