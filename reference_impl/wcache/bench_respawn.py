@@ -32,7 +32,6 @@ from pathlib import Path
 from wcache.engine.respawn import STABLE_S
 from wcache.engine.spare import SPARE_READY
 from wcache.bench_failure import bench_failure
-from wcache.errors import BenchError
 from wcache.wire.sockets import short_private_dir
 
 PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding
@@ -92,15 +91,17 @@ class SteadyClient(threading.Thread):
         return self.results
 
 
-def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: float = 1.0, timeout: float = 120) -> dict:
-    """SIGKILL ``victim`` while a steady client runs; what the client saw."""
+def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: float = 1.0, timeout: float = 120,
+                    log_text=lambda: "") -> dict:
+    """SIGKILL ``victim`` while a steady client runs; what the client saw. ``log_text``: the serving
+    process's log so far, shown if the client never gets a first answer."""
     client = SteadyClient(port)
     client.start()
     deadline = time.monotonic() + timeout
     while not any(r[2] == 200 for r in client.results):
         if time.monotonic() > deadline:
             client.stop()
-            raise BenchError(BenchError.SAMPLE.format(what="the steady client's first answer", code="none"))
+            raise bench_failure("the steady client's first answer", "wcache serve", log_text(), waited_s=timeout)
         time.sleep(0.01)
     time.sleep(settle_s)
     killed = time.monotonic()
@@ -204,7 +205,7 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
                           "supervisor_rss_bytes": rss_bytes(s.proc.pid)}
             if i:
                 time.sleep(STABLE_S)  # a kill sooner after the last would count as a crash loop and back off
-            sample = kill_under_load(s.port, victim)
+            sample = kill_under_load(s.port, victim, log_text=s.text)
             s.wait_for("the respawn log line", lambda: len(_RESPAWNED.findall(s.text())) >= i + 1)
             m = list(_RESPAWNED.finditer(s.text()))[i]
             sample.update(worker_death_to_ready_s=float(m.group(2)), cause=m.group(4))
@@ -212,7 +213,7 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
     finally:
         code = s.stop()
     if code != 0:
-        raise BenchError(BenchError.SAMPLE.format(what="wcache serve --respawn's stop", code=code))
+        raise bench_failure("wcache serve --respawn's stop", "wcache serve", s.text(), code=code)
     return {"kills": kills, "memory": memory}
 
 

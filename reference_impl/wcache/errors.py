@@ -307,6 +307,8 @@ STREAM_OPTIONS = "'stream_options' must be an object with 'include_usage' (true 
 SAMPLING_WITH_DRAFT = ("'temperature' must be 0 on this engine: with --speculative-config it decodes greedily "
                        "(draft then verify)")
 BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
+# Logged when every connection is taken and one idle (or still sending its head) is closed for a newcomer.
+ROOM_MADE = "Closed a connection {state} for {seconds:.1f} s to make room for a new one ({max} in use)"
 TIMED_OUT = ("The request did not arrive in time: {deadline:g} s from its first byte for the request line, "
              "headers and body, at most {read:g} s between reads")
 BOTH_FRAMINGS = "A request must not carry both Transfer-Encoding and Content-Length (RFC 9112, section 6.1)"

@@ -515,7 +515,6 @@ def main() -> int:
     logs.setup(spec.get("log_level", "INFO"))
     ready = os.fdopen(spec["ready_fd"], "w")
     daemon = RankDaemon(spec)
-    MARKS["init"] = time.monotonic()
     serving = threading.Event()
 
     def on_stop(signum, _frame):
@@ -530,6 +529,7 @@ def main() -> int:
         die_with_parent(spec["parent_pid"])
     try:
         daemon.claim()  # lock first: nothing below runs for a device another daemon owns
+        MARKS["init"] = time.monotonic()  # configured and locked: what came before it counts as "other"
         if daemon.cfg.device == "cuda":  # its own step: otherwise the first CUDA call pays it inside another
             torch.empty(1, device=daemon.cfg.torch_device)
             torch.cuda.synchronize(daemon.cfg.torch_device)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.engine.openai_api import error_body
-from wcache.errors import BOTH_FRAMINGS, BUSY_MESSAGE, MANY_LENGTHS, TIMED_OUT, ServeAddressError
+from wcache.errors import BOTH_FRAMINGS, BUSY_MESSAGE, MANY_LENGTHS, ROOM_MADE, TIMED_OUT, ServeAddressError
 
 log = logging.getLogger("wcache.server")
 
@@ -160,6 +160,8 @@ class Connections:
                 return False
             victim = pick[2]
             self._state.pop(victim, None)
+        log.info(ROOM_MADE.format(state="idle" if not pick[0] else "still sending its request head",
+                                  seconds=now - pick[1], max=self.limits.max_connections))
         try:
             victim.shutdown(socket.SHUT_RDWR)  # its thread's recv returns at once; the thread frees its slot
         except OSError:
