@@ -149,6 +149,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _code(text: str) -> str:
+    """``text`` as a code span in a table cell; a message that quotes with backticks gets a double fence."""
+    fence = "``" if "`" in text else "`"
+    return f"{fence}{_cell(text)}{fence}"
+
+
 def serve_endpoints() -> str:
     """Every route of the engine's HTTP API (wcache.engine.server.ROUTES)."""
     from wcache.engine.server import ROUTES
@@ -180,7 +186,7 @@ def serve_refusals() -> str:
     from wcache.engine.server import REFUSALS
 
     out = ["| Status | `type` | Message | When |", "| --- | --- | --- | --- |"]
-    out += [f"| {status} | `{error_type(status)}` | `{_cell(message)}` | {_cell(when)} |"
+    out += [f"| {status} | `{error_type(status)}` | {_code(message)} | {_cell(when)} |"
             for status, message, when in REFUSALS]
     return "\n".join(out)
 

@@ -291,7 +291,7 @@ def engine_start_table(bench_dir: Path = BENCH_DIR) -> str:
                 continue
             rows.append(f"| {run_label(path)} | `{transport_of(path, d)}` | {shown} "
                         f"| {fmt_seconds(e['seconds'])} | "
-                        + " | ".join(fmt_seconds(e["phases_s"][n]) if n in e["phases_s"] else "" for n in names) + " |")
+                        + " | ".join(fmt_seconds(e["phases_s"][n]) if n in e["phases_s"] else "-" for n in names) + " |")
     return "\n".join(rows)
 
 
