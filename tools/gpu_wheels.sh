@@ -13,9 +13,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 # What the guide's pages need on a GPU host beyond its python3 (torch, pytest, pyyaml...): the
 # runner's parser (markdown-it-py, whose image version may predate 3, and its plugins), Python blocks
-# (pytest-examples), and the YAML/JSON validators. No gpu-marked test builds the site.
+# (pytest-examples), the YAML/JSON validators, and the official OpenAI client (test_openai_client.py). No gpu-marked test builds the site.
 WANTED=(pymdown-extensions markdown-it-py mdit-py-plugins pytest-examples kubernetes-validate
-        check-jsonschema jsonschema)
+        check-jsonschema jsonschema openai)
 if [ "${1:-}" = --site ]; then
   WANTED+=(mkdocs mkdocs-material)
 fi
