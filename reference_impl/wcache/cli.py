@@ -76,6 +76,10 @@ def cmd_serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_named(argv)
+    if command == "serve":  # the CUDA context is made while the engine imports (early_context.py)
+        from wcache.engine import early_context
+
+        early_context.start(argv)
     if command != "preload" or {"-h", "--help"} & set(argv):
         return _main(argv, command)
     # The first daemon rank imports torch while this process does (building the preload flags

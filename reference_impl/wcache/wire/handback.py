@@ -40,6 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from wcache.core.background import Background
 from wcache.errors import (
     ADOPTED,
     HANDED_BACK,
@@ -91,8 +92,7 @@ class ArenaOffer:
         self._fd_lock = threading.Lock()
         self.offer_path: Path | None = None
         self._listener: socket.socket | None = None
-        self._thread = threading.Thread(target=self._run, name="wcache-handback", daemon=True)
-        self._thread.start()
+        self._watcher = Background(self._run)  # started without waiting for it (background.py)
 
     # The watcher polls for the daemon's hang-up without reading: the lease socket stays free for
     # the loader's own requests (get_memory).
@@ -211,9 +211,9 @@ class ArenaOffer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._watcher.join(5)
         self._withdraw()
-        if not self._thread.is_alive():  # else the thread closes it when it ends (it may be sending it)
+        if not self._watcher.is_alive():  # else the watcher closes it when it ends (it may be sending it)
             self._close_fd()
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from wcache.core.background import Background
 from wcache.core.config import EngineConfig
 from wcache.core.postprocess import ProcessedWeights
 
@@ -27,7 +27,7 @@ class LoadReport:
     phases: dict = field(default_factory=dict)  # seconds per handoff step (cache loads only)
     transport: str | None = None  # the arena kind a cache load came through (memfd, cuda_ipc, vmm_fd)
     # copy mode: the thread that lets go of the daemon's memory once the engine has its own copy
-    release: threading.Thread | None = field(default=None, repr=False, compare=False)
+    release: Background | None = field(default=None, repr=False, compare=False)
 
 
 class LoadedWeights(NamedTuple):
