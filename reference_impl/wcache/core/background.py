@@ -4,19 +4,25 @@
 the GIL that cost 0.4-0.6 ms, measured, on an engine's way to its weights (the hand-back watcher
 of every zero_copy load, the release of every copy-mode load). Nothing started here needs that
 handshake, so it is a raw thread (``_thread``, what threading builds on) with an Event for join.
-Like a daemon thread it does not keep the interpreter alive. The function catches what it expects;
-anything else is printed by Python's hook for threads that fail (sys.unraisablehook).
+A raw thread does not keep the interpreter alive; ``finish_before_exit`` makes the interpreter wait
+for it on the way out (an exit in the middle of a driver call aborts the process), as it waits for
+a non-daemon thread. The function catches what it expects; anything else is printed by Python's
+hook for threads that fail (sys.unraisablehook).
 """
 
 from __future__ import annotations
 
 import _thread
+import atexit
 import threading
 
 
 class Background:
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, finish_before_exit: bool = False):
         self._done = threading.Event()
+        self._at_exit = finish_before_exit
+        if finish_before_exit:
+            atexit.register(self.join)
         _thread.start_new_thread(self._run, (fn, args))
 
     def _run(self, fn, args) -> None:
@@ -24,6 +30,8 @@ class Background:
             fn(*args)
         finally:
             self._done.set()
+            if self._at_exit:
+                atexit.unregister(self.join)
 
     def join(self, timeout: float | None = None) -> bool:
         """True once the function has returned (or raised)."""

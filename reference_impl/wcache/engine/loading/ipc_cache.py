@@ -143,7 +143,7 @@ class IpcCacheLoader(WeightLoader):
             weights = self._bind(lease, answer, clock)
             phases["nbytes"] = _weights_bytes(weights, answer)
             if lc.mode == "copy":
-                release = Background(self._release, lease)
+                release = Background(self._release, lease, finish_before_exit=True)
                 clock.lap("release")  # only the start: the engine has its own copy already
                 return weights, None, release
             lease.external_bytes = phases["nbytes"]
@@ -178,18 +178,21 @@ class IpcCacheLoader(WeightLoader):
     def _bind(self, lease: CacheLease, answer: dict, clock: _Clock) -> ProcessedWeights:
         """Views of every tensor: of the daemon's memory (zero_copy), or of our own clone (copy)."""
         arena = lease.mapping.tensor
-        if self.loader_config.mode == "copy":
-            # One device/host memcpy of the whole arena, then views of our own copy. Let go of the
-            # daemon's memory before asking it to release, so the release really frees it.
+        copy = self.loader_config.mode == "copy"
+        if copy:
+            # One device/host memcpy of the whole arena, then views of our own copy. On a GPU the copy
+            # runs on the stream while the views are bound (they are only shapes and offsets); the
+            # wait for it comes after. The daemon's memory is let go of by _release, in the background.
             arena = arena.clone()
-            if arena.is_cuda:
-                torch.cuda.synchronize(arena.device)
-            clock.lap("copy")  # the daemon's memory is let go of by _release, in the background
+            clock.lap("copy")
         try:
             tensors = bind_views(arena, answer.get("manifest") or {})
         except ProtocolError as e:
             raise CacheUnusable("protocol", detail=str(e)) from None
         clock.lap("bind")
+        if copy and arena.is_cuda:
+            torch.cuda.synchronize(arena.device)
+            clock.lap("copy", add=True)  # the copy: its launch, then what binding did not hide
         aliases = answer.get("aliases") or {}
         if any(t not in tensors for t in aliases.values()):
             raise CacheUnusable("protocol", detail="an alias names a tensor the daemon did not send")
@@ -237,9 +240,11 @@ class _Clock:
     def __init__(self, phases: dict):
         self.phases, self.t = phases, time.perf_counter()
 
-    def lap(self, name: str) -> None:
+    def lap(self, name: str, add: bool = False) -> None:
+        """The seconds since the last lap, as phase ``name`` (added to it with ``add``)."""
         now = time.perf_counter()
-        self.phases[name], self.t = now - self.t, now
+        self.phases[name] = now - self.t + (self.phases.get(name, 0.0) if add else 0.0)
+        self.t = now
 
 
 def _lease_again(path: Path, lc: LoaderConfig, key: dict):
