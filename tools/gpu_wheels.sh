@@ -14,8 +14,10 @@ PY=${PYTHON:-.venv/bin/python}
 # What the guide's pages need on a GPU host beyond its python3 (torch, pytest, pyyaml...): the
 # runner's parser (markdown-it-py, whose image version may predate 3, and its plugins), Python blocks
 # (pytest-examples), the YAML/JSON validators, and the official OpenAI client (test_openai_client.py). No gpu-marked test builds the site.
+# The OpenAI client at the version this checkout's tests ran with here (newer ones may differ).
+OPENAI=$("$PY" -c 'import importlib.metadata as m; print(m.version("openai"))')
 WANTED=(pymdown-extensions markdown-it-py mdit-py-plugins pytest-examples kubernetes-validate
-        check-jsonschema jsonschema openai)
+        check-jsonschema jsonschema "openai==$OPENAI")
 if [ "${1:-}" = --site ]; then
   WANTED+=(mkdocs mkdocs-material)
 fi
