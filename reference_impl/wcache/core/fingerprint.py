@@ -113,7 +113,9 @@ def _remembered(entry, st: os.stat_result) -> bool:
 
 
 def _memo_path(model_dir: Path) -> Path:
-    tag = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:24]
+    # os.path.realpath is what Path.resolve() runs, without building Paths (on a restarted engine's
+    # way to its weights, every tenth of a millisecond shows).
+    tag = hashlib.sha256(os.path.realpath(model_dir).encode()).hexdigest()[:24]
     return cache_root() / "fingerprints" / f"{tag}.json"
 
 
