@@ -199,17 +199,16 @@ def _stand_by(args, cfg, plan, planned, stop: threading.Event) -> list[DaemonLoc
             log.info(STANDING_BY.format(path=path))
             on_wait.said = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Once the locks are held the handler only sets ``stop``, as _run_ranks's own does: a signal
+    # between the two never finds the interpreter's default handler.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
     try:
         locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups, on_wait)
         waiting[0] = False
     except _StandbyStopped as e:
         log.info(STANDBY_STOPPED.format(signal=e))
         return None
-    finally:
-        waiting[0] = False
-        for s, handler in old.items():
-            signal.signal(s, handler)
     if any(lock.waited for lock in locks):
         log.info(TAKING_OVER.format(path=", ".join(str(socket_path_of(lock.path)) for lock in locks if lock.waited)))
     return locks
