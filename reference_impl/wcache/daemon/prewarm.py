@@ -25,7 +25,7 @@ import sys
 import time
 
 SPEC_FD_ENV = "WCACHE_PIPED_RANK_SPEC"  # the descriptor of the socket the spec comes on (internal, like WCACHE_RANK_SPEC)
-IMPORTED_FD_ENV = "WCACHE_PREWARM_IMPORTED"  # the pipe a prewarmed rank writes a byte on once it has imported
+IMPORTED_FD_ENV = "WCACHE_PIPED_RANK_IMPORTED"  # the pipe a prewarmed rank writes a byte on once imported (internal)
 MAX_SPEC_BYTES = 1 << 20
 
 
