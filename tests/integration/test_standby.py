@@ -123,6 +123,28 @@ def test_a_standby_takes_over_and_adopts_the_running_engines_arena(procs, tiny_m
     assert complete(engine.port, "take over")["choices"] == answer["choices"]
 
 
+def test_a_standby_waits_for_an_engine_that_offers_late(procs, tiny_model, wcache_env):
+    """The engine notices its daemon's death only after the standby took over (it is stopped with
+    SIGSTOP across the kill and resumed LATE_S later): the standby waits for its offer, within
+    OFFER_AFTER_TAKEOVER_S, instead of loading from disk."""
+    late_s = OFFER_AFTER_TAKEOVER_S / 4
+    first = procs.preload(tiny_model, NO_TUNE)
+    sock = default_socket(wcache_env)
+    engine = procs.serve(tiny_model, *ZERO_COPY)
+    standby = standing_by(procs, tiny_model, sock)
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        first.kill_group()
+        standby.wait_for_log(TAKING_OVER.format(path=sock), timeout=30)
+        time.sleep(late_s)  # its rank is at the offers by now, and finds none
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    standby.wait_for_log(READY, timeout=60)
+    log = standby.log()
+    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine.pid, n=27) in log and LOADED not in log, log
+    assert complete(engine.port, "late")["choices"] == complete(procs.serve(tiny_model, NO_TUNE).port, "late")["choices"]
+
+
 def test_of_two_standbys_one_takes_over_and_the_other_stands_by_on(procs, tiny_model, wcache_env):
     first = procs.preload(tiny_model, NO_TUNE)
     sock = default_socket(wcache_env)
