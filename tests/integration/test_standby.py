@@ -5,7 +5,9 @@ then a takeover that adopts the running engine's arena.
   has done nothing else: no lock held by its rank, no record written, no socket bound.
 * SIGKILL of the active daemon while a zero_copy engine maps: the standby takes over and adopts
   the engine's arena (the same memfd, no disk load); engines then answer as a disk load does.
+* An engine that offers late (it notices the death after the standby took over) is still adopted.
 * Two standbys: one takes over, the other stands by on, and takes over when that one dies.
+* A tensor-parallel standby prewarms every rank, and those ranks take over.
 * A waiting standby stopped with SIGTERM exits 0 and leaves no process; one whose launcher is
   SIGKILLed leaves no rank process.
 """
@@ -17,8 +19,12 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from itest import alive, call, default_socket, memfd_inode, rank_pids, wait_until
 from procs import complete
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.device import device_identity
+from wcache.wire.sockets import socket_name
 from wcache.daemon import arena_record
 from wcache.errors import ADOPTED, NO_OFFER_AFTER_TAKEOVER, STANDBY_STOPPED, STANDING_BY, TAKING_OVER
 from wcache.daemon.launcher import READY
@@ -163,6 +169,27 @@ def test_of_two_standbys_one_takes_over_and_the_other_stands_by_on(procs, tiny_m
     winner.kill_group()
     waiting.wait_for_log(READY, timeout=60)
     assert TAKING_OVER.format(path=sock) in waiting.log() and call(sock, "get_memory")["ok"]
+
+
+@pytest.fixture(scope="module")
+def model32(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("standby") / "tiny32", "tiny", dtype="float32")
+
+
+def test_a_tp2_standby_prewarms_every_rank_and_takes_over_with_them(procs, model32, wcache_env):
+    first = procs.preload(model32, "-tp", "2", NO_TUNE)
+    d = default_socket(wcache_env).parent
+    socks = [d / socket_name(device_identity("cpu", i)) for i in (0, 1)]
+    standby = procs.preload(model32, "-tp", "2", *STANDBY, ready=False)
+    standby.wait_for_log(STANDING_BY.format(path=socks[0]), timeout=120)
+    ranks = rank_pids(standby.pid)
+    assert len(ranks) == 2 and all(imported_torch(p) for p in ranks)  # both interpreters paid, not only the first
+    assert not any(opened_by(p, Path(f"{s}.lock")) for p in ranks for s in socks)
+
+    first.kill_group()
+    standby.wait_for_log(READY, timeout=60)
+    assert f"{READY} (2 rank(s)" in standby.log() and sorted(rank_pids(standby.pid)) == sorted(ranks)
+    assert all(call(s, "get_memory")["ok"] for s in socks)
 
 
 def test_a_stopped_standby_leaves_no_process(procs, tiny_model, wcache_env):
