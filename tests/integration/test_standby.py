@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import pytest
 from itest import alive, call, default_socket, memfd_inode, rank_pids, wait_until
-from procs import complete
+from procs import complete, free_port
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.device import device_identity
 from wcache.wire.sockets import socket_name
@@ -83,9 +84,13 @@ def test_a_standby_waits_warm_and_touches_nothing(procs, tiny_model, wcache_env)
     inode = os.lstat(sock).st_ino
     listing = sorted(os.listdir(sock.parent))
 
-    standby = standing_by(procs, tiny_model, sock)
+    health = free_port()
+    standby = procs.preload(tiny_model, *STANDBY, "--weight-cache-health-port", str(health), ready=False)
+    standby.wait_for_log(STANDING_BY.format(path=sock), timeout=120)
     [rank] = rank_pids(standby.pid)
     assert imported_torch(rank) and imported_torch(standby.pid)  # the interpreter and torch are paid
+    with pytest.raises(ConnectionRefusedError):  # its health port is not bound yet
+        socket.create_connection(("127.0.0.1", health), timeout=5).close()
     lock = Path(str(sock) + ".lock")
     assert opened_by(active, lock) and not opened_by(rank, lock)  # the rank was handed no lock
     assert flock_waiters(lock) == {standby.pid}  # its launcher waits for it, holding none
