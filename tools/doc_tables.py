@@ -243,6 +243,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-start": plot_bench.engine_start_table,
     "bench-handback": plot_bench.handback_table,
     "bench-handback-phases": plot_bench.handback_phases_table,
+    "bench-standby": plot_bench.standby_table,
     "bench-copy-phases": plot_bench.copy_phases_table,
     "transports-handoff": plot_bench.transports_table,
     "transports-phases": plot_bench.transports_phases,

@@ -305,19 +305,46 @@ def handback_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/"
     """A daemon killed under a running zero_copy engine, and the next one to READY, against the
     run's first start and its floor (a fresh interpreter importing torch)."""
     rows = ["| Record | Device | Transport | First start to READY | Restart to READY | Floor | Restart / first start "
-            "| The restarted daemon |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+            "| The restarted daemon | Standby takeover to READY | Standby / first start |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for path, d in restart_records(bench_dir):
         h, dev = d["handback"], d["environment"].get("gpu", d["environment"]["device"])
         record = f"[{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()})"
         if h.get("skipped"):
-            rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | | | | | skipped: {h['skipped']} |")
+            rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | | | | | skipped: {h['skipped']} | | |")
             continue
         floor = fmt_seconds(h["floor_s"]) if "floor_s" in h else ""
         ratio = f"{h['restart_to_ready_s'] / h['first_start_to_ready_s']:.0%}"
+        standby = standby_cells(h)
         rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | {fmt_seconds(h['first_start_to_ready_s'])} "
                     f"| {fmt_seconds(h['restart_to_ready_s'])} | {floor} | {ratio} "
-                    f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} |")
+                    f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} "
+                    f"| {standby[0]} | {standby[1]} |")
+    return "\n".join(rows) if len(rows) > 2 else NO_RECORD
+
+
+def standby_cells(h: dict) -> tuple[str, str]:
+    """The standby takeover's time and its share of the first start; '-' for a record before it."""
+    if "standby_takeover_s" not in h:
+        return "-", "-"
+    took = fmt_seconds(h["standby_takeover_s"]) + ("" if h["standby_adopted"] else " (loaded from disk)")
+    return took, f"{h['standby_over_first_start']:.0%}"
+
+
+def standby_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """What a standby daemon cost and saved in each bench record that measured one (bench_restart.py)."""
+    rows = ["| Record | Device | Transport | Host memory while standing by | SIGKILL of the serving daemon to the "
+            "standby's READY | Of the first start | Engine's answers after it |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for path, d in restart_records(bench_dir):
+        h = d["handback"]
+        if "standby_takeover_s" not in h:
+            continue
+        dev = d["environment"].get("gpu", d["environment"]["device"])
+        took, share = standby_cells(h)
+        rows.append(f"| [{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()}) | {dev} "
+                    f"| `{transport_of(path, d)}` | {h['standby_rss_mib']:.0f} MiB | {took} | {share} "
+                    f"| {'the same' if h['standby_engine_answered_the_same'] else 'different'} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
 
 

@@ -121,17 +121,24 @@ def _sample_main(spec: dict) -> None:
 class DaemonUnderTest:
     """A real `wcache preload` in a private socket directory, for the length of a measurement."""
 
-    def __init__(self, model: str, device: str, dtype: str, socket_dir: Path, transport: str = "auto"):
+    def __init__(self, model: str, device: str, dtype: str, socket_dir: Path, transport: str = "auto",
+                 extra: tuple[str, ...] = (), log_name: str = "daemon.log", wait: bool = True):
+        """Started, and unless ``wait`` is False (a standby: bench_restart.py) READY."""
         self.socket_dir = socket_dir
         cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "preload", "--model", model,
                "--device", device, "--dtype", dtype, "--weight-cache-socket-dir", str(socket_dir),
-               "--weight-cache-transport", transport]
-        self.log_path = socket_dir.parent / "daemon.log"
+               "--weight-cache-transport", transport, *extra]
+        self.log_path = socket_dir.parent / log_name
         self.start = len(self.log_path.read_bytes()) if self.log_path.exists() else 0
         self.log = open(self.log_path, "ab")
         t0 = time.monotonic()
         # Its own session: a restart measurement kills the launcher and its ranks together.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        if wait:
+            self.ready_s = self.wait_ready(t0)
+
+    def wait_ready(self, since: float) -> float:
+        """Seconds from ``since`` (monotonic) until this daemon logs READY."""
         deadline = time.monotonic() + START_TIMEOUT_S
         # Ready is the launcher's READY line: a killed daemon's socket file (and an engine's
         # hand-back offer) can lie in the directory before this daemon has bound anything.
@@ -142,7 +149,7 @@ class DaemonUnderTest:
                 raise bench_failure("the weight cache daemon's start", "daemon", self.text(),
                                     code=self.proc.returncode, waited_s=waited)
             time.sleep(0.01)
-        self.ready_s = time.monotonic() - t0
+        return time.monotonic() - since
 
     def text(self) -> str:
         """What this daemon logged (the log file is shared by every daemon of the run)."""
@@ -230,8 +237,8 @@ def _run_bench(args, work: Path) -> int:
             starts["disk"].append(engine_start(args, work, "safetensors"))
             time.sleep(SETTLE_S)
         starts["floor"] = floor
-        handback = handback_restart(args, work, daemon, lc_zero, lambda: DaemonUnderTest(
-            cfg.model, cfg.device, args.dtype, sockets, args.transport), tensors_kind)
+        handback = handback_restart(args, work, daemon, lc_zero, lambda **kw: DaemonUnderTest(
+            cfg.model, cfg.device, args.dtype, sockets, args.transport, **kw), tensors_kind)
         daemon = handback.pop("daemon")
     finally:
         daemon.stop()

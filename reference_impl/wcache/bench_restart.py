@@ -10,6 +10,12 @@ the rank) and ``ready_notice`` (the rank serving until the bench reads READY). B
 run measures a *floor*: a fresh ``python -c "import torch; torch.cuda.init()"`` (``import torch``
 on the CPU), what any restarted daemon process pays before its own work.
 
+In the same run, a *standby takeover*: with the restarted daemon serving the engine, a second
+daemon is started with ``--weight-cache-standby`` (it imports and waits on the device's lock), the
+serving daemon is SIGKILLed, and the standby is timed from the kill to its READY line. Its host
+memory while it stands by (launcher and ranks, resident set) is recorded beside it, and the engine
+must answer the same after the takeover as before it.
+
 Only transports whose arena an engine can hand back are measured: a cuda_ipc daemon writes no
 arena record and adopts nothing, so the phase is skipped with that reason, never waited for.
 """
@@ -17,21 +23,24 @@ arena record and adopts nothing, so the phase is skipped with that reason, never
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 from wcache.daemon.rank import START_PHASES
 from wcache.bench_failure import bench_failure, log_tail
-from wcache.errors import ARENA_RECORDED, BenchError, LEASE_LOST
+from wcache.errors import ADOPTED, ARENA_RECORDED, LEASED_AGAIN, STANDING_BY, BenchError, LEASE_LOST
 
 FLOOR = {"cuda": "import torch; torch.cuda.init()", "cpu": "import torch"}
 PHASES = ("launcher", "interpreter", "imports", "spec_wait", "cuda_context", "key", "offers", "import_arena", "verify", "load",
           "autotune", "other", "ready_notice")
 RECORD_WAIT_S = 300
 OFFER_WAIT_S = 60
+STANDBY_WAIT_S = 300  # its interpreters import torch before it says it stands by
 _PHASES_LINE = re.compile(re.escape(START_PHASES).replace(r"\{rank\}", r"\d+").replace(r"\{phases\}", r"(\{.*\})"))
 
 
@@ -112,18 +121,82 @@ def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
         if not adopted:
             log_tail("restarted daemon (it did not adopt)", again.text())
         med_floor = statistics.median(floor)
-        return {"daemon": again, "transport": kind, "first_start_to_ready_s": round(first.ready_s, 4),
-                "restart_to_ready_s": round(again.ready_s, 4), "adopted": adopted,
-                "first_start_phases_s": first_phases, "restart_phases_s": phases,
-                "floor_command": FLOOR[args.device], "floor_s": round(med_floor, 4),
-                "floor_samples": [round(f, 4) for f in floor],
-                "restart_over_first_start": round(again.ready_s / first.ready_s, 3),
-                "restart_minus_floor_s": round(again.ready_s - med_floor, 4)}
+        restart = {"transport": kind, "first_start_to_ready_s": round(first.ready_s, 4),
+                   "restart_to_ready_s": round(again.ready_s, 4), "adopted": adopted,
+                   "first_start_phases_s": first_phases, "restart_phases_s": phases,
+                   "floor_command": FLOOR[args.device], "floor_s": round(med_floor, 4),
+                   "floor_samples": [round(f, 4) for f in floor],
+                   "restart_over_first_start": round(again.ready_s / first.ready_s, 3),
+                   "restart_minus_floor_s": round(again.ready_s - med_floor, 4)}
+        again, standby = standby_takeover(again, eng, new_daemon, first.ready_s)  # the standby serves now
+        return {"daemon": again, **restart, **standby}
     except BaseException:
         (again or first).stop()  # the caller stops only the daemon it is handed back
         raise
     finally:
         eng.stop()
+
+
+def _rss_mib(pid: int) -> float:
+    """The resident set of ``pid`` and its descendants, MiB (what a standby costs the host)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = open(f"/proc/{p}/status").read()
+            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total / 1024
+
+
+def _answer(port: int) -> list:
+    body = json.dumps({"prompt": "standby", "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"]
+
+
+def standby_takeover(active, eng, new_daemon, first_start_s: float):
+    """Start a standby beside ``active`` (serving ``eng``), SIGKILL ``active`` and time the standby
+    from the kill to READY. Returns (the standby, now serving, and the record's standby_* keys).
+    ``standby_measurement_s`` is what this adds to the bench's run, the standby's imports included."""
+    t_begin = time.monotonic()
+    _wait_for(eng.text, LEASED_AGAIN.split(" {path}")[0], OFFER_WAIT_S, "the engine's lease on the restarted daemon",
+              ("engine", eng))
+    before = _answer(eng.port)
+    standby = new_daemon(extra=("--weight-cache-standby",), log_name="standby.log", wait=False)
+    try:
+        _wait_for(standby.text, STANDING_BY.split(":")[0], STANDBY_WAIT_S, "the standby's standing-by line",
+                  ("standby", standby))
+        rss = _rss_mib(standby.proc.pid)
+        t_kill = time.monotonic()
+        active.kill()
+        took = standby.wait_ready(t_kill)
+        active.stop()
+    except BaseException:
+        standby.kill()
+        standby.stop()
+        raise
+    m = _PHASES_LINE.search(standby.text())
+    phases = {k: v for k, v in json.loads(m.group(1)).items() if k not in ("spawned_at", "ready_at")} if m else {}
+    adopted = ADOPTED.split(" (pid")[0].replace("Rank {rank} ", "") in standby.text()
+    if not adopted:
+        log_tail("standby daemon (it did not adopt)", standby.text())
+    # The engine re-leases from a standby that adopted its arena (else it keeps its own memory), and
+    # answers as it did before the takeover.
+    if adopted:
+        leased = LEASED_AGAIN.split(" {path}")[0]
+        _wait_for(lambda: "twice" if eng.text().count(leased) >= 2 else "", "twice", OFFER_WAIT_S,
+                  "the engine's lease on the standby", ("engine", eng))
+    answered = _answer(eng.port) == before
+    return standby, {"standby_takeover_s": round(took, 4), "standby_phases_s": phases, "standby_adopted": adopted,
+                     "standby_over_first_start": round(took / first_start_s, 3),
+                     "standby_rss_mib": round(rss, 1), "standby_engine_answered_the_same": answered,
+                     "standby_measurement_s": round(time.monotonic() - t_begin, 2)}
 
 
 def render_lines(h: dict) -> list[str]:
@@ -140,4 +213,11 @@ def render_lines(h: dict) -> list[str]:
                      f"{h['restart_minus_floor_s']:.3f} s, {h['restart_over_first_start']:.0%} of the first start")
         for label, key in (("first start", "first_start_phases_s"), ("restart", "restart_phases_s")):
             lines.append(f"daemon {label} phases (s): " + ", ".join(f"{k} {v}" for k, v in h[key].items()))
+    if "standby_takeover_s" in h:  # records before the standby lack it
+        lines.append(f"standby takeover, SIGKILL of the serving daemon to the standby's READY: "
+                     f"{h['standby_takeover_s']:.3f} s ({'adopted' if h['standby_adopted'] else 'loaded from disk'}), "
+                     f"{h['standby_over_first_start']:.0%} of the first start; the standby held "
+                     f"{h['standby_rss_mib']:.0f} MiB of host memory while it waited; the engine answered "
+                     f"{'the same' if h['standby_engine_answered_the_same'] else 'DIFFERENTLY'} after it")
+        lines.append("standby phases (s): " + ", ".join(f"{k} {v}" for k, v in h["standby_phases_s"].items()))
     return lines

@@ -221,6 +221,14 @@ RECORD_NOT_USABLE = "Rank {rank} adopts no handed-back arena: {why}"
 ARENA_RECORDED = "Rank {rank} recorded its {kind} arena for a restarted daemon to adopt ({seconds:.2f} s)"
 ARENA_VERIFIED = ("Rank {rank} checked the handed-back arena against the keyed hash recorded when it was packed: "
                   "{mib:.1f} MiB in {seconds:.2f} s")
+NO_OFFER_AFTER_TAKEOVER = ("Rank {rank} took over from a stopped daemon, but no engine offered the arena it recorded "
+                           "within {seconds:.1f} s; loading from disk")
+
+# A standby daemon (`wcache preload --weight-cache-standby`, daemon/launcher.py): its launcher's lines.
+STANDING_BY = ("Standing by: the weight cache daemon that owns {path} is running; this daemon takes over when it "
+               "stops")
+TAKING_OVER = "Taking over: the weight cache daemon that owned {path} stopped"
+STANDBY_STOPPED = "Standby stopped by {signal} before taking over"
 
 # What a daemon rank answers when it refuses a request ({"ok": false, "error": KIND, "message": ...}),
 # besides the REASONS texts it sends for "rejected", "mismatch" and "released". The last two are

@@ -163,6 +163,10 @@ def add_preload_args(p) -> None:
     g.add_argument("--weight-cache-adopt", default=True, action=argparse.BooleanOptionalAction,
                    help="before loading, take the weights back from a running zero_copy engine whose daemon "
                         "died (memfd and vmm_fd arenas; see docs/lifecycle.md, A restarted daemon takes the weights back)")
+    g.add_argument("--weight-cache-standby", default=False, action="store_true",
+                   help="if a running daemon owns this device, wait for it to stop and take over then, with "
+                        "Python and torch already imported; without it such a start exits 2 "
+                        "(default: off; see docs/lifecycle.md, A standby daemon)")
     g.add_argument("--weight-cache-rehash", default=False, action="store_true",
                    help="hash every checkpoint file on this start instead of reusing the digests remembered "
                         "by file identity (for a change that no file time shows, e.g. one written below the filesystem)")

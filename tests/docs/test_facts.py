@@ -103,3 +103,7 @@ def test_validation_does_not_deny_the_published_gpu_run_of_the_guide():
         assert "No run of them on a GPU has been published" not in text
         for run in runs:
             assert f"benchmarks/{run.name}" in text, f"validation.md does not link {run.name}"
+
+
+def test_lifecycle_states_how_long_a_standby_waits_for_an_offer():
+    assert f"waits up to {rank.OFFER_AFTER_TAKEOVER_S:g} seconds for an engine's offer" in prose("lifecycle.md")

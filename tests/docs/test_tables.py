@@ -215,11 +215,11 @@ def test_cache_key_table_lists_every_key_field():
 
 
 def package_env_vars() -> set[str]:
-    """WCACHE_* names the package reads (internal process specs excluded)."""
+    """WCACHE_* names the package reads (internal process specs and a rank's pipes excluded)."""
     names = set()
     for f in PACKAGE.rglob("*.py"):  # the package has subpackages
         names |= set(re.findall(r"[\"'](WCACHE_[A-Z_]+)[\"']", f.read_text(encoding="utf-8")))
-    return {n for n in names if not n.endswith("_SPEC")}
+    return {n for n in names if not n.endswith("_SPEC") and not n.startswith("WCACHE_PIPED_")}
 
 
 def test_environment_variable_table_is_what_the_package_reads():

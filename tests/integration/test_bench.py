@@ -73,9 +73,17 @@ def test_bench_json_has_seconds_and_ratios(small_record, small_model):
     h = r["handback"]
     assert h["adopted"] is True and h["restart_to_ready_s"] > 0 and h["first_start_to_ready_s"] > 0
     assert_restart_phases(h)
+    # A standby started beside the restarted daemon takes over when that one is SIGKILLed: it adopts
+    # the engine's arena, the engine answers the same, and its takeover costs less than a start.
+    assert h["standby_adopted"] is True and h["standby_engine_answered_the_same"] is True, h
+    assert 0 < h["standby_takeover_s"] < h["restart_to_ready_s"], h
+    assert h["standby_over_first_start"] == pytest.approx(h["standby_takeover_s"] / h["first_start_to_ready_s"], abs=1e-3)
+    assert h["standby_phases_s"]["import_arena"] > 0 and h["standby_phases_s"]["load"] < 0.05, h
+    assert h["standby_rss_mib"] > 50  # two interpreters with torch imported, measured
     table = render_table(r)
     assert "ipc_cache zero_copy" in table and "cache key: first sight" in table
     assert "engine start to /health 200" in table and "daemon restart to READY" in table
+    assert "standby takeover" in table and "standby phases (s)" in table
 
 
 def assert_restart_phases(h: dict) -> None:

@@ -4,6 +4,10 @@ The launcher itself holds no weights. It starts each rank as a fresh interpreter
 rank's "serving" line on a private pipe, logs ``Weight cache daemon READY`` and answers
 ``GET /health`` (200 only while every rank serves). A rank that dies during startup takes the
 group down with its exit code; SIGINT/SIGTERM stops every rank, and each removes its socket.
+
+With ``--weight-cache-standby`` a launcher that finds the device's lock held waits for it instead
+of exiting 2 (a hot standby: its rank interpreters have imported already, so a restart, planned or
+a crash, costs only the takeover; see docs/lifecycle.md).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from wcache.core.device import device_identity
 from wcache.daemon import prewarm
 from wcache.daemon.seed import preload_seed_settings
 from wcache.errors import (
+    STANDBY_STOPPED,
+    STANDING_BY,
+    TAKING_OVER,
     PreloadConfigError,
     SeedConfigError,
     UnsupportedQuantForIPCError,
@@ -34,6 +41,7 @@ from wcache.wire.sockets import (
     claim_socket,
     prepare_socket_dir,
     socket_path_for,
+    socket_path_of,
 )
 
 log = logging.getLogger("wcache.preload")
@@ -92,16 +100,20 @@ def _group_spec(spec: dict, group: dict, seed) -> dict:
     return {**spec, **group, "seed": seed}
 
 
-def claim_rank_sockets(socket_dir, device: str, planned: list[Ranks], groups: list[dict]) -> list[DaemonLock]:
+def claim_rank_sockets(socket_dir, device: str, planned: list[Ranks], groups: list[dict],
+                       on_wait=None) -> list[DaemonLock]:
     """The lock of every rank this launcher will start, in the order the ranks start, taken before
     any rank exists: a second `wcache preload` for a device stops here, in well under a second of its
-    own work, having started no interpreter, read no weight and written no record."""
+    own work, having started no interpreter, read no weight and written no record. A standby
+    (``on_wait``, called before the first wait) waits for each lock instead, in the same order, so
+    that two standbys never hold a lock each that the other waits for."""
     d = prepare_socket_dir(socket_dir, create=True)
     locks: list[DaemonLock] = []
     try:
         for group in groups:
             for r in planned:
-                locks.append(claim_socket(socket_path_for(d, device_identity(device, r.local_rank), group.get("draft", False))))
+                path = socket_path_for(d, device_identity(device, r.local_rank), group.get("draft", False))
+                locks.append(claim_socket(path, on_wait=on_wait))
     except BaseException:
         for lock in locks:
             lock.release()
@@ -113,7 +125,7 @@ class RankProcess:
     def __init__(self, ranks: Ranks, spec: dict, lock: DaemonLock):
         self.ranks = ranks
         self.label = f"draft:{ranks.global_rank}" if spec.get("draft") else ranks.global_rank
-        spec = {**spec, "ranks": asdict(ranks), "parent_pid": os.getpid()}
+        spec = {**spec, "ranks": asdict(ranks), "parent_pid": os.getpid(), "took_over": lock.waited}
         # The rank gets the lock's open file (and with it the flock) and learns who its parent is, so
         # that it can die with it (lifeline.py). This process keeps no copy of the lock: a rank that
         # dies releases its device at once, while the launcher still runs.
@@ -151,17 +163,59 @@ def run_preload(args) -> int:
     seeds = seeding["seeds"]
     if seeds is not None and len(seeds) != len(planned):
         raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
-    locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups)
+    stop = threading.Event()
+    if getattr(args, "weight_cache_standby", False):
+        locks = _stand_by(args, cfg, plan, planned, stop)
+        if locks is None:
+            return 0
+    else:
+        locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups)
     try:
-        return _run_ranks(args, cfg, plan, planned, locks, seeding)
+        return _run_ranks(args, cfg, plan, planned, locks, seeding, stop)
     finally:
         for lock in locks:
             lock.release()  # those not handed to a rank: an error before every rank started
 
 
-def _run_ranks(args, cfg, plan, planned, locks, seeding) -> int:
+class _StandbyStopped(Exception):
+    pass
+
+
+def _stand_by(args, cfg, plan, planned, stop: threading.Event) -> list[DaemonLock] | None:
+    """The locks of every rank, waiting for a running daemon to stop if one holds them; None when a
+    stop signal came first. While it waits, every rank's interpreter has imported (prewarm.py) and
+    nothing else has happened: no CUDA context, no weight read, no record, no socket, no port."""
+    waiting = [True]
+
+    def on_signal(signum, _frame):
+        stop.set()
+        if waiting[0]:
+            raise _StandbyStopped(signal.Signals(signum).name)
+
+    def on_wait(path) -> None:
+        if not stop.is_set() and not getattr(on_wait, "said", False):  # once, at the first held lock
+            prewarm.start(len(planned) * len(plan.groups))
+            prewarm.wait_imported()
+            log.info(STANDING_BY.format(path=path))
+            on_wait.said = True
+
+    # Once the locks are held the handler only sets ``stop``, as _run_ranks's own does: a signal
+    # between the two never finds the interpreter's default handler.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+    try:
+        locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups, on_wait)
+        waiting[0] = False
+    except _StandbyStopped as e:
+        log.info(STANDBY_STOPPED.format(signal=e))
+        return None
+    if any(lock.waited for lock in locks):
+        log.info(TAKING_OVER.format(path=", ".join(str(socket_path_of(lock.path)) for lock in locks if lock.waited)))
+    return locks
+
+
+def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) -> int:
     """Start a rank per lock (handing each its lock), report readiness, and stop them all at the end."""
-    stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.set())
     health = Health()

@@ -86,6 +86,13 @@ log = logging.getLogger("wcache.daemon")
 MARKS: dict[str, float] = {}
 START_PHASES = "Rank {rank} start phases (s): {phases}"
 
+# A rank that took over from a stopped daemon (a standby: launcher.py) holds its lock the moment
+# the old daemon dies, while its engines notice the hang-up and bind their hand-back offers a few
+# ms later (handback.ArenaOffer). Loading from disk instead of waiting would hold the weights twice
+# and cost the whole load; so such a rank, if it recorded an arena, waits this long for an offer for
+# its socket, stopping as soon as one answers. Generous against a busy host; paid in full only when
+# no engine maps the arena any more.
+OFFER_AFTER_TAKEOVER_S = 2.0
 MAX_CLIENTS = 256
 REQUEST_TIMEOUT_S = 30.0  # waiting for a request, and then for all of its bytes (not per recv)
 # Requests are small: a key of 16 fields. These bound what one can parse into.
@@ -189,7 +196,7 @@ class RankDaemon:
             return None
         record = arena_record.Record(self.socket_path, self.rank, self.key, self.device_id, kind)
         return take_back(self.socket_path, self.key, self.device_id, kind, self.cfg.torch_device, self.rank,
-                         record=record)
+                         record=record, wait_s=OFFER_AFTER_TAKEOVER_S if self.spec.get("took_over") else 0.0)
 
     def autotune_pass(self) -> None:
         """Pull the tuned cache from a seed daemon if one is given, then load or tune it (before the

@@ -47,6 +47,7 @@ from wcache.errors import (
     LEASE_LOST,
     LEASED_AGAIN,
     NO_OFFER,
+    NO_OFFER_AFTER_TAKEOVER,
     OFFER_SKIPPED,
     OTHER_COPY,
     OWN_COPY,
@@ -68,6 +69,7 @@ TIMINGS: dict[str, float] = {}  # seconds of the last adoption's import and veri
 MAX_OFFERS = 64  # offers asked per start; more is a flood, not engines
 NOT_THIS_SOCKET = "not_this_socket"
 RELEASE_POLL_S = 0.25
+OFFER_POLL_S = 0.02  # a daemon waiting for offers (take_back's wait_s) looks at the directory this often
 
 
 
@@ -235,7 +237,8 @@ def offers(socket_path: Path) -> list[Path]:
     return sorted(found, key=age)[:MAX_OFFERS]
 
 
-def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int, record=None):
+def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int, record=None,
+              wait_s: float = 0.0):
     """(arena, aliases, attrs) from the first engine that hands back the arena ``record`` describes, else None.
 
     ``record`` (daemon/arena_record.py ``Record``) is this daemon's own account of the arena it
@@ -244,12 +247,33 @@ def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, r
     ``record.verify`` checks the bytes (raises ValueError). What the offer says about itself (its
     key, device, kind) only lets the daemon name why an engine's arena is not for it. Without a
     usable record nothing is adopted and no offer is asked.
+
+    ``wait_s``: how long to keep polling the directory for offers not asked yet, until one answers
+    for this daemon's socket (a standby that took the lock the instant the old daemon died is
+    there before the engines have noticed; see rank.OFFER_AFTER_TAKEOVER_S).
     """
     if record is None or not record.usable:
         return None
     t0 = time.perf_counter()
+    until = time.monotonic() + wait_s
+    asked: set[Path] = set()
+    while True:
+        fresh = [o for o in offers(socket_path) if o not in asked]
+        asked.update(fresh)
+        adopted, answered = _take_back_from(fresh, socket_path, key, device_id, kind, device, rank, record, t0)
+        if adopted is not None or answered or time.monotonic() >= until:
+            break
+        time.sleep(OFFER_POLL_S)
+    if adopted is None and wait_s and not answered:
+        log.info(NO_OFFER_AFTER_TAKEOVER.format(rank=rank, seconds=wait_s))
+    return adopted
+
+
+def _take_back_from(found: list[Path], socket_path: Path, key: dict, device_id: str, kind: str, device, rank: int,
+                    record, t0: float):
+    """(adopted or None, whether any offer answered with an arena for this socket) from ``found``."""
     candidates = []
-    for offer in offers(socket_path):
+    for offer in found:
         try:
             check_socket_file(offer)
         except OSError as e:
@@ -257,15 +281,16 @@ def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, r
             continue
         candidates.append(offer)
     if not candidates:
-        return None
+        return None, False
     deadline = time.monotonic() + ASK_BUDGET_S
     with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="wcache-ask") as pool:
         answers = list(zip(candidates, pool.map(lambda o: _ask(o, rank, socket_path.name, deadline), candidates)))
-    adopted = None
+    adopted, answered = None, False
     manifest, aliases, attrs = record.served
     for offer, got in answers:
         if got is None:
             continue
+        answered = True
         pid, answer, fds = got
         if adopted is not None:
             close_fds(fds)
@@ -291,7 +316,7 @@ def take_back(socket_path: Path, key: dict, device_id: str, kind: str, device, r
         log.info(ADOPTED.format(rank=rank, pid=pid, n=n, mib=arena.weights_bytes / 2**20,
                                 seconds=time.perf_counter() - t0))
         adopted = arena, aliases, attrs
-    return adopted
+    return adopted, answered
 
 
 def _ask(offer: Path, rank: int, socket_name: str, deadline: float):

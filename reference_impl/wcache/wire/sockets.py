@@ -118,8 +118,12 @@ class DaemonLock:
     def __init__(self, socket_path: Path):
         self.path = Path(str(socket_path) + ".lock")
         self.fd: int | None = None
+        self.waited = False  # taken only after waiting for a running daemon to stop (a standby's takeover)
 
-    def acquire(self) -> None:
+    def acquire(self, on_wait=None) -> None:
+        """Take the lock now; if another daemon holds it, raise DaemonLockError, or, given
+        ``on_wait``, call it and then block until that daemon's lock is released (a standby: the
+        kernel drops a flock the moment its last holder exits, however it exits)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
         try:
             fd = os.open(self.path, flags, 0o600)
@@ -130,8 +134,16 @@ class DaemonLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise DaemonLockError(str(socket_path_of(self.path))) from None
+            if on_wait is None:
+                os.close(fd)
+                raise DaemonLockError(str(socket_path_of(self.path))) from None
+            try:
+                on_wait(socket_path_of(self.path))
+                fcntl.flock(fd, fcntl.LOCK_EX)  # a signal whose handler raises ends the wait
+            except BaseException:
+                os.close(fd)
+                raise
+            self.waited = True
         self.fd = fd
 
     @classmethod
@@ -193,13 +205,14 @@ def clear_stale_socket(path: Path) -> bool:
     return True
 
 
-def claim_socket(path: Path, lock: DaemonLock | None = None) -> DaemonLock:
+def claim_socket(path: Path, lock: DaemonLock | None = None, on_wait=None) -> DaemonLock:
     """The lock of the socket at ``path`` (taken now unless ``lock`` already holds it), with any
     stale socket file of a dead daemon removed. Nothing else is done before this: a daemon that
-    does not own its device stops here, before it reads weights or writes a record."""
+    does not own its device stops here, before it reads weights or writes a record (or, given
+    ``on_wait``, waits here for that daemon to stop: DaemonLock.acquire)."""
     if lock is None:
         lock = DaemonLock(path)
-        lock.acquire()
+        lock.acquire(on_wait)
     try:
         if clear_stale_socket(path):
             log.warning(STALE_SOCKET_REMOVED.format(path=path))
