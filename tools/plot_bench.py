@@ -110,6 +110,8 @@ def transport_of(path: Path, data: dict) -> str:
 
 
 def fmt_seconds(s: float) -> str:
+    if s < 0:
+        return f"-{fmt_seconds(-s)}"
     if s >= 1:
         return f"{s:.2f} s"
     if s >= 0.001:
@@ -233,8 +235,8 @@ def _target_value(d: dict, what: str) -> float | None:
 
 
 def _target_cell(what: str, v: float) -> str:
-    if what == "start_over_floor":
-        return f"+{fmt_seconds(v)}"
+    if what == "start_over_floor":  # below the floor: the CUDA context was made during the imports
+        return f"+{fmt_seconds(v)}" if v >= 0 else fmt_seconds(v)
     return {"copy_tb_s": f"{v:.2f} TB/s", "speedup": fmt_ratio(v), "start_ratio": fmt_ratio(v)}.get(what) \
         or fmt_seconds(v)
 

@@ -226,6 +226,8 @@ def test_a_restarted_daemon_adopts_a_vmm_arena_and_reloads_a_cuda_ipc_one(gpu, s
         eng.wait_for_log("went away; this engine keeps serving", timeout=15)
     after_kill = _settled_free_bytes()
     kill_returned = after_kill - free  # the killed daemon's context, and its arena unless still mapped
+    # The engine serves the same answers from the memory it maps, its daemon gone (both transports).
+    assert _ids(eng.port) == before
     t0 = time.monotonic()
     second = gpu.preload(small_model)
     ready_s = time.monotonic() - t0
@@ -242,18 +244,19 @@ def test_a_restarted_daemon_adopts_a_vmm_arena_and_reloads_a_cuda_ipc_one(gpu, s
         assert first - again > 0.8 * weights
     else:
         assert "Rank 0 loaded" in log  # a second copy, read from disk
-        # The first arena outlived its daemon (the engine maps it): the kill returned the daemon's
-        # context and workspaces, not the arena. (The two daemons' own totals differ: only the
-        # first ran the autotune pass.)
-        assert first - kill_returned > 0.8 * weights
         assert again > 0.8 * weights
+        # Whether the killed daemon's cudaMalloc block stays allocated while an engine maps it is
+        # the driver's business (CUDA leaves an exporter's exit undefined): on the H200 the kill
+        # returned it in some runs and not in others. Recorded, not asserted; the answers are.
+        record["arena_outlived_its_daemon"] = first - kill_returned > 0.8 * weights
     assert _ids(eng.port) == before
-    if transport == "cuda_ipc":  # the engine lets go of the first arena: the device gets it back
+    if transport == "cuda_ipc":  # the engine lets go of the first arena: whatever is left comes back
         held = _settled_free_bytes()
         eng.stop()
         returned = _settled_free_bytes() - held
         record.update(engine_took_mib=round(engine_took / 2**20), engine_stop_returned_mib=round(returned / 2**20))
-        assert returned - engine_took > 0.8 * weights, record
+        if record["arena_outlived_its_daemon"]:
+            assert returned - engine_took > 0.8 * weights, record
     print(json.dumps(record))
     fresh = gpu.serve(small_model, "--load-format", "ipc_cache")
     assert _ids(fresh.port) == before
