@@ -205,9 +205,9 @@ def test_zero_copy_engine_keeps_serving_after_the_daemon_is_killed(gpu, tiny_mod
 def test_a_restarted_daemon_adopts_a_vmm_arena_and_reloads_a_cuda_ipc_one(gpu, small_model, transport):
     """vmm_fd: the engine hands its allocation back and the new daemon allocates no second copy; the
     arena's size is the same before and after (the allocation's size on both sides).
-    cuda_ipc: the handle died with its daemon, so the new daemon loads a second copy from disk, and
-    the device holds both until the engine that still maps the first one lets go: the killed
-    daemon's cudaMalloc block lives while an importer keeps its IPC mapping open.
+    cuda_ipc: the handle died with its daemon, so the new daemon loads a second copy from disk; the
+    engine that still maps the first one answers the same. Whether the killed daemon's cudaMalloc
+    block stays allocated for that mapping varied between runs on the H200: recorded, not asserted.
 
     Each daemon start also costs a CUDA context; comparing the two starts cancels it out."""
     torch.empty(1, device="cuda")
