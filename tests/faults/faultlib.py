@@ -12,6 +12,7 @@ import array
 import json
 import os
 import random
+import signal
 import socket
 import struct
 import time
@@ -87,6 +88,41 @@ def settle(pid: int, baseline: int, count=fd_count, timeout: float = 10.0) -> in
     while (n := count(pid)) > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     return max(0, n - baseline)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread exited
+            continue
+        if stat.rpartition(")")[2].split()[0] not in ("T", "t"):
+            return False
+    return True
+
+
+def stop_when(pid: int, holds, timeout: float, slice_s: float = 0.001) -> bool:
+    """Leave ``pid`` stopped (SIGSTOP) at a moment when ``holds()`` is true; False if it exited or
+    ``timeout`` passed first (then it is left running).
+
+    Polling a running process misses a window shorter than one poll, and on a busy machine the poller
+    may not run for tens of ms. Here the process runs only ``slice_s`` at a time and ``holds()`` is
+    read while every thread of it is stopped, so any window that lasts longer than one slice (plus a
+    signal's delivery) of the process's own progress is caught, however loaded the machine is.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            while not _all_threads_stopped(pid):
+                time.sleep(0.0001)
+            if holds():
+                return True
+            os.kill(pid, signal.SIGCONT)
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+        time.sleep(slice_s)
+    return False
 
 
 def frame(body: bytes | dict | list) -> bytes:
