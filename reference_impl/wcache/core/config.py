@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from wcache.core import checkpoint, llama_config
+from wcache.core.device import cuda_device_count
 from wcache.model import quant
 from wcache.errors import DeviceError
 from wcache.model.llama import ModelShape
@@ -84,7 +85,7 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         if self.device == "cuda":
-            return torch.device("cuda", self.ranks.local_rank % max(torch.cuda.device_count(), 1))
+            return torch.device("cuda", self.ranks.local_rank % max(cuda_device_count(), 1))
         return torch.device("cpu")
 
     @property

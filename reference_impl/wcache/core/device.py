@@ -20,15 +20,45 @@ _CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / 
 
 def device_identity(device: str, local_rank: int = 0) -> str:
     if device == "cuda":
-        return _cuda_device(local_rank % torch.cuda.device_count())[0]
+        return _cuda_device(local_rank % cuda_device_count())[0]
     boot = BOOT_ID.read_text().strip().split("-")[0] if BOOT_ID.exists() else "host"
     return f"cpu-{boot}-{local_rank}"
 
 
 def device_arch(device: str, local_rank: int = 0) -> str:
     if device == "cuda":
-        return _cuda_device(local_rank % torch.cuda.device_count())[1]
+        return _cuda_device(local_rank % cuda_device_count())[1]
     return "cpu"
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees, asked of the driver, which applies CUDA_VISIBLE_DEVICES
+    as torch does. Until torch has made its own CUDA context, torch.cuda.device_count() asks NVML
+    instead, loading its library and calling nvmlInit on every call: a restarted engine asks three
+    times on its way to its weights (the socket's name, the cache key, the daemon's reply), and the
+    handoff is a few milliseconds long. torch's answer where the driver gives none."""
+    try:
+        return _driver_device_count()
+    except (OSError, AttributeError):
+        return torch.cuda.device_count()
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    """libcuda, initialised (once: cuInit is cheap again but the library's lookup is not)."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    if (rc := cu.cuInit(0)) != 0:
+        raise OSError(f"CUDA driver error {rc} initialising")
+    return cu
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_device_count() -> int:
+    # Cached: the devices a process sees are fixed once the driver is initialised.
+    count = ctypes.c_int()
+    if (rc := _driver().cuDeviceGetCount(ctypes.byref(count))) != 0:
+        raise OSError(f"CUDA driver error {rc} counting devices")
+    return count.value
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,11 +78,11 @@ def torch_identity(props) -> str:
 
 
 def _from_driver(index: int) -> tuple[str, str]:
-    cu = ctypes.CDLL("libcuda.so.1")
+    cu = _driver()
     dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     uuid = (ctypes.c_ubyte * 16)()
     # _v2: a MIG instance's own UUID, as the runtime's device properties give it.
-    for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), index), cu.cuDeviceGetUuid_v2(uuid, dev),
+    for rc in (cu.cuDeviceGet(ctypes.byref(dev), index), cu.cuDeviceGetUuid_v2(uuid, dev),
                cu.cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, dev),
                cu.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, dev)):
         if rc != 0:

@@ -24,6 +24,7 @@ import socket
 from dataclasses import dataclass
 
 from wcache.core.config import Ranks
+from wcache.core.device import cuda_device_count
 from wcache.core.speculative import (
     CACHED_DRAFT_METHODS,
     SpecConfig,
@@ -162,10 +163,8 @@ def layout_from_args(args, hf: dict, device: str = "cpu") -> RankLayout:
         count = world // nnodes
         first = node_rank * count
     if device == "cuda":
-        import torch
-
-        if count > torch.cuda.device_count():
-            raise ParallelConfigError(TOO_FEW_GPUS.format(n=count, m=torch.cuda.device_count()))
+        if count > (visible := cuda_device_count()):
+            raise ParallelConfigError(TOO_FEW_GPUS.format(n=count, m=visible))
     addr = (getattr(args, "data_parallel_address", None) if dp > 1 else None) or args.master_addr
     return RankLayout(tp, pp, dp, nnodes, node_rank, first, count, addr, args.master_port)
 
