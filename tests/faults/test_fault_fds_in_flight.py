@@ -165,11 +165,16 @@ def test_descriptors_parked_in_flight_by_the_same_user_are_named_and_the_daemon_
                               detail) in log.read_text()
         print(FALLBACK.format(reason=got["reason"]))
         assert alive(rank.pid)
-    finally:
-        if attacker is not None:
-            attacker.stdin.close()
+
+        attacker.stdin.close()  # it exits, and its descriptors leave with it
+        attacker.wait(30)
+        assert engine_load(model, sock, env)["source"] != "disk"  # the same daemon serves the next engine
+        rank.terminate()
+        assert rank.wait(30) == 0
+    finally:  # the rank and the attacker run as another user, out of the fixtures' reach
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
             attacker.wait(30)
-    # The attacker's descriptors left with it: the same daemon serves the next engine.
-    assert engine_load(model, sock, env)["source"] != "disk"
-    rank.terminate()
-    assert rank.wait(30) == 0
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait(30)
