@@ -28,6 +28,7 @@ from wcache.daemon.launcher import STARTUP_FAILED
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.ipc_cache import IpcCacheLoader
 from wcache.model.llama import bind_weights, build_meta_model, generate
+from wcache.wire.handback import OFFER_PREFIX
 from wcache.wire.sockets import DaemonLock, prepare_socket_dir, socket_name
 from wcache.engine.supervisor import WORKERS_EXITED
 from wcache.errors import DaemonLockError
@@ -299,3 +300,46 @@ def test_tp2_engine_samples_stops_and_streams_in_lockstep(procs, model32, expect
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         assert s.recv(1 << 16).startswith(b"HTTP/1.1 200 ")
     assert tokens(engine.port) == expected
+
+
+def offers_in(socket_dir: Path) -> set[str]:
+    return {p.name for p in socket_dir.iterdir() if p.name.startswith(OFFER_PREFIX)}
+
+
+def offer_of(log: str, rank: int) -> str:
+    """The offer socket's name an engine rank logged when its daemon (rank ``rank``) went away."""
+    daemon = socket_name(device_identity("cpu", rank))
+    [line] = [ln for ln in log.splitlines() if f"{daemon} went away" in ln]
+    return Path(line.rstrip().split()[-1]).name
+
+
+def test_engine_ranks_that_offered_withdraw_their_offers_when_stopped(procs, model32, expected):
+    """Daemons stopped first: both engine ranks offer their arenas in the socket directory. A SIGTERM
+    to the engine's process group (`kill -- -$ENGINE`) then leaves no offer behind: the serve process
+    closes its leases; the worker, whose main thread waits inside a collective, withdraws its offer
+    on SIGTERM and still dies by it. A SIGKILLed serve process cannot withdraw its own offer (the
+    next daemon removes it as stale), but its worker, signalled by PDEATHSIG, withdraws its own."""
+    socket_dir = prepare_socket_dir(None, create=False)
+    for stop in ("group SIGTERM", "serve SIGKILL"):
+        pre = procs.preload(model32, "-tp", "2", NO_TUNE)
+        engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE,
+                             "--load-format", "ipc_cache", "--model-loader-extra-config", loader_json())
+        assert tokens(engine.port) == expected
+        (worker,) = child_pids(engine.pid)
+        assert pre.stop(signal.SIGTERM) == 0
+        wait_until(lambda: engine.log().count("offers them to the next daemon") == 2, what="both engine ranks to offer")
+        offered = {offer_of(engine.log(), r) for r in (0, 1)}
+        assert offered <= offers_in(socket_dir)
+        assert tokens(engine.port) == expected  # both ranks serve on from the memory they map
+
+        if stop == "group SIGTERM":
+            os.killpg(engine.pid, signal.SIGTERM)
+            assert engine.exit_code(60) == 0
+            wait_until(lambda: gone(worker), what="the worker to exit")
+            assert not offered & offers_in(socket_dir), f"left behind: {offered & offers_in(socket_dir)}"
+        else:
+            os.kill(engine.pid, signal.SIGKILL)
+            assert engine.exit_code(60) == -signal.SIGKILL
+            wait_until(lambda: gone(worker), what="the worker to exit on PDEATHSIG")
+            assert offers_in(socket_dir) & offered == {offer_of(engine.log(), 0)}  # the serve process's own
+            (socket_dir / offer_of(engine.log(), 0)).unlink()

@@ -137,8 +137,9 @@ class Engine:
             try:
                 self.runner.send_request(OP_STOP)
             except RuntimeError:
-                pass
-        self.runner.close()
+                pass  # a worker already gone; the supervisor says which
+            finally:  # the leases, and any hand-back offer, go whatever the world did
+                self.runner.close()
 
 
 def rank_specs(args, loader_config):

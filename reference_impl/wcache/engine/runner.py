@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -52,6 +53,7 @@ from wcache.engine.world import LOST_PEERS, World
 from wcache.errors import UserError
 from wcache.model import tokenizer
 from wcache.model.llama import Llama, bind_weights, build_meta_model
+from wcache.wire.handback import withdraw_offers
 
 log = logging.getLogger("wcache.engine")
 
@@ -309,10 +311,35 @@ def die_with_parent(parent_pid: int | None) -> None:
         sys.exit(1)  # the parent died before we asked
 
 
+def withdraw_offers_on_sigterm() -> None:
+    """SIGTERM (the supervisor's stop, or the serve process's death through PDEATHSIG) still ends a
+    worker at once, as before, but first removes its hand-back offers (wire/handback.py): a worker
+    whose daemon went away before it offers its arena in the socket directory, and the default
+    action would leave that socket behind. A Python handler cannot do it: the worker's main thread
+    waits inside collectives, where none runs. The C-level handler writes the signal's number to a
+    pipe (signal.set_wakeup_fd) whatever the main thread is doing, and a thread reading it withdraws
+    the offers, restores the default action and raises the signal again."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: None)  # the pipe's reader acts on it
+
+    def watch() -> None:
+        while os.read(r, 1)[0] != signal.SIGTERM:  # other handled signals (SIGINT) keep their handlers
+            pass
+        withdraw_offers()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal(signal.SIGTERM, 0)  # SIG_DFL, from this thread (signal.signal only runs in the main one)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="wcache-sigterm", daemon=True).start()
+
+
 def main() -> int:
     """A rank process started by the supervisor: start, then follow rank 0's requests."""
     spec = json.loads(os.environ[SPEC_ENV])
     logs.setup(spec.get("log_level", "INFO"))
+    withdraw_offers_on_sigterm()
     die_with_parent(spec.get("parent_pid"))
     try:
         runner = RankRunner.from_spec(spec)

@@ -74,6 +74,25 @@ OFFER_POLL_S = 0.02  # a daemon waiting for offers (take_back's wait_s) looks at
 
 
 # -- engine side ------------------------------------------------------------------------------
+# The offer sockets this process has bound, for withdraw_offers(); None once it ran (no new offers).
+_offered: set[Path] | None = set()
+_offered_lock = threading.Lock()
+
+
+def withdraw_offers() -> None:
+    """Remove every offer socket of this process, and make no more: for a process about to die by a
+    signal, which runs no close(). A socket left behind is only untidy (the next daemon finds no
+    engine listening there and removes it), but the directory is the operator's to read."""
+    global _offered
+    with _offered_lock:
+        paths, _offered = _offered or set(), None
+    for offer in paths:
+        try:
+            os.unlink(offer)
+        except FileNotFoundError:
+            pass
+
+
 class ArenaOffer:
     """Watches a zero_copy lease; when the daemon goes, offers the arena until a daemon serves it again.
 
@@ -124,14 +143,22 @@ class ArenaOffer:
 
     def _offer(self) -> bool:
         offer = self.path.with_name(f"{OFFER_PREFIX}{secrets.token_hex(8)}.sock")
+        listener = None
         try:
             if len(os.fsencode(offer)) > MAX_SOCKET_PATH:
                 raise OSError(errno.ENAMETOOLONG, f"{offer} is longer than a Unix socket path may be")
-            listener = bind_private_socket(offer)
+            with _offered_lock:  # bound and registered at once: withdraw_offers() sees it or none is made
+                if _offered is None:
+                    return False  # the process is dying (withdraw_offers ran)
+                listener = bind_private_socket(offer)
+                _offered.add(offer)
             listener.listen(8)
             listener.settimeout(RELEASE_POLL_S)
         except OSError as e:
             log.warning(NO_OFFER.format(path=self.path, error=e))
+            if listener is not None:  # ours, bound: never unlink a path we did not bind
+                listener.close()
+                self._forget(offer)
             return False
         self._listener, self.offer_path = listener, offer
         log.warning(LEASE_LOST.format(path=self.path, offer=offer))
@@ -199,11 +226,18 @@ class ArenaOffer:
             self._listener.close()
             self._listener = None
         if self.offer_path is not None:
-            try:
-                os.unlink(self.offer_path)
-            except FileNotFoundError:
-                pass
+            self._forget(self.offer_path)
             self.offer_path = None
+
+    @staticmethod
+    def _forget(offer: Path) -> None:
+        with _offered_lock:
+            if _offered is not None:
+                _offered.discard(offer)
+        try:
+            os.unlink(offer)
+        except FileNotFoundError:
+            pass
 
     def _close_fd(self) -> None:
         with self._fd_lock:
