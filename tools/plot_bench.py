@@ -310,8 +310,8 @@ def handback_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/"
             "| The restarted daemon | Standby takeover to READY | Standby / first start |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for path, d in restart_records(bench_dir):
-        h, dev = d["handback"], d["environment"].get("gpu", d["environment"]["device"])
-        record = f"[{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()})"
+        h = d["handback"]
+        record, dev = restart_record_cells(path, d, bench_dir, link_prefix)
         if h.get("skipped"):
             rows.append(f"| {record} | {dev} | `{transport_of(path, d)}` | | | | | skipped: {h['skipped']} | | |")
             continue
@@ -323,6 +323,12 @@ def handback_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/"
                     f"| {'adopted the running engine' + chr(39) + 's arena' if h['adopted'] else 'loaded from disk'} "
                     f"| {standby[0]} | {standby[1]} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
+
+
+def restart_record_cells(path: Path, d: dict, bench_dir: Path, link_prefix: str) -> tuple[str, str]:
+    """A restart table's first two cells: the record, linked, and its device."""
+    return (f"[{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()})",
+            d["environment"].get("gpu", d["environment"]["device"]))
 
 
 def standby_cells(h: dict) -> tuple[str, str]:
@@ -342,9 +348,9 @@ def standby_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/")
         h = d["handback"]
         if "standby_takeover_s" not in h:
             continue
-        dev = d["environment"].get("gpu", d["environment"]["device"])
+        record, dev = restart_record_cells(path, d, bench_dir, link_prefix)
         took, share = standby_cells(h)
-        rows.append(f"| [{run_label(path)}]({link_prefix}{path.relative_to(bench_dir).as_posix()}) | {dev} "
+        rows.append(f"| {record} | {dev} "
                     f"| `{transport_of(path, d)}` | {h['standby_rss_mib']:.0f} MiB | {took} | {share} "
                     f"| {'the same' if h['standby_engine_answered_the_same'] else 'different'} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD

@@ -34,9 +34,9 @@ def device_arch(device: str, local_rank: int = 0) -> str:
 def cuda_device_count() -> int:
     """The CUDA devices this process sees, asked of the driver, which applies CUDA_VISIBLE_DEVICES
     as torch does. Until torch has made its own CUDA context, torch.cuda.device_count() asks NVML
-    instead, loading its library and calling nvmlInit on every call: a restarted engine asks three
-    times on its way to its weights (the socket's name, the cache key, the daemon's reply), and the
-    handoff is a few milliseconds long. torch's answer where the driver gives none."""
+    instead, loading its library and calling nvmlInit on every call: a restarted engine asks up to
+    four times on its way to its weights (the socket's name, the cache key, the check of the
+    daemon's reply, the mapping), and the handoff is a few milliseconds long. torch's answer where the driver gives none."""
     try:
         return _driver_device_count()
     except (OSError, AttributeError):

@@ -49,8 +49,7 @@ class Prewarmed:
             return True
         if not select.select([self.imported_r], [], [], timeout)[0]:
             return False
-        os.close(self.imported_r)
-        self.imported_r = None
+        self._close_imported()
         return True
 
     def _close_imported(self) -> None:
