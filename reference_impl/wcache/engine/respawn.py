@@ -23,6 +23,18 @@ as the one before (``BACKOFF_S`` up to ``BACKOFF_MAX_S``), and the ``MAX_DEATHS`
 ends the supervisor with exit status 1, so Kubernetes still sees a crash loop. A worker that exits
 with status 2 before it is ready (a configuration error that a new worker would repeat) ends it
 with status 2 at once, as a plain ``wcache serve`` would.
+
+The supervisor stays small: ``wcache serve --respawn`` parses and checks its flags as a plain serve
+does (which imports torch), binds the port, then ``exec``s this module (``python -m
+wcache.engine.respawn``) with the socket and its arguments: the same pid, a fresh image that
+imports neither torch nor the model (the standard library, wcache.errors and wcache.logs), so it
+holds tens of MB instead of an engine's hundreds. Keep it that way: no import of wcache.engine's
+other modules here at module level (tests/integration/test_respawn.py checks /proc/PID/maps).
+
+A hung worker is replaced (engine/heartbeat.py): the serving worker writes an empty line on its
+status pipe every ``BEAT_S`` from a thread that stops beating when one forward pass has run for
+half the bound; a serving worker silent for ``--respawn-heartbeat-timeout`` seconds is killed
+with SIGKILL and replaced as after a crash.
 """
 
 from __future__ import annotations
@@ -37,13 +49,20 @@ import subprocess
 import sys
 import time
 
-from wcache.engine.http_front import address_error
-from wcache.engine.server import EngineServer
+from wcache import logs
 from wcache.errors import RespawnError
 
 log = logging.getLogger("wcache.respawn")
 
 SPARE_ENV = "WCACHE_SPARE_SPEC"  # a worker's settings, as JSON (engine/spare.py)
+SUPERVISOR_ENV = "WCACHE_RESPAWN_SPEC"  # the exec'd supervisor's settings, as JSON (main() below)
+LISTEN_BACKLOG = 128  # FrontDoorServer.request_queue_size: a burst (or a respawn) waits in the backlog
+# The serving worker beats every BEAT_S (engine/heartbeat.py). The default bound: far above any one
+# forward pass we run (a long prefill of an 8B model on an H200 takes well under a second; the
+# beat thread also waits for the GIL behind it) and far below what a client or a probe waits for
+# (Kubernetes' readiness probe: 3 s timeout, 3 failures in a row): 5 s.
+BEAT_S = 0.1
+HEARTBEAT_TIMEOUT_S = 5.0
 STABLE_S = 10.0
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
 MAX_DEATHS = 5
@@ -53,6 +72,13 @@ STARTED = "Respawn supervisor pid {pid} listens on http://{host}:{port}; engine 
 DIED = "Engine worker pid {pid} died ({cause}); {then}"
 RESPAWNED = "Respawned: engine worker pid {pid} ready {seconds:.3f} s after worker pid {dead} died ({cause})"
 SPARE_DIED = "Spare engine worker pid {pid} exited ({cause}); starting another"
+HUNG = ("Engine worker pid {pid} hung: no heartbeat for {seconds:.1f} s (--respawn-heartbeat-timeout {timeout:g}); "
+        "killing it with SIGKILL")
+HUNG_CAUSE = "killed as hung, SIGKILL"
+# One line per respawn with the supervisor's stamps on CLOCK_MONOTONIC (system-wide on Linux, so a
+# bench that killed the worker can line them up with its own): bench_respawn.py splits the kill to
+# the next answer into phases with it.
+TIMELINE = "Respawn timeline: {json}"
 STOPPING = "Received {signal}, stopping the engine workers"
 STOPPED = "Respawn supervisor stopped"
 
@@ -73,9 +99,11 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(EngineServer.request_queue_size)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
+        from wcache.engine.http_front import address_error  # the check runs before the exec (run_respawn)
+
         raise address_error(e, (host, port)) from None
     return sock
 
@@ -100,8 +128,12 @@ class Worker:
         self.pending = b""
         self.eof = False
         self.ready_at: float | None = None
+        self.heard_at = time.monotonic()  # the last bytes on its status pipe (a beat is an empty line)
+        self.hung: str | None = None  # why it was killed as hung, if it was
+        self.promoted_at: float | None = None
 
     def promote(self, answer_while_loading: bool) -> None:
+        self.promoted_at = time.monotonic()
         try:
             os.write(self.control, json.dumps({"answer_while_loading": answer_while_loading}).encode() + b"\n")
         except OSError:
@@ -113,6 +145,7 @@ class Worker:
         if not data:
             self.eof = True
             return []
+        self.heard_at = time.monotonic()
         *lines, self.pending = (self.pending + data).split(b"\n")
         return [json.loads(line) for line in lines if line.strip()]
 
@@ -148,6 +181,7 @@ class RespawnSupervisor:
         self.promote_at: float | None = None
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
+        self.heartbeat_timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
 
     def workers(self) -> list[Worker]:
         return [w for w in (self.serving, self.spare) if w is not None]
@@ -175,7 +209,7 @@ class RespawnSupervisor:
 
     def _loop(self) -> int:
         while not self.stopping:
-            timeout = 1.0
+            timeout = BEAT_S  # the serving worker's heartbeat is checked at least this often
             if self.promote_at is not None:
                 timeout = max(0.0, min(timeout, self.promote_at - time.monotonic()))
             fds = [w.status for w in self.workers() if not w.eof] + [self.wake_r]
@@ -189,6 +223,7 @@ class RespawnSupervisor:
                 if w.status in readable and not w.eof:
                     for event in w.events():
                         self._on_event(w, event)
+            self._check_heartbeat()
             code = self._reap()
             if code is not None:
                 return code
@@ -199,6 +234,19 @@ class RespawnSupervisor:
                 self.deaths = 0  # it served long enough: the next death starts a new count
         return 0
 
+    def _check_heartbeat(self) -> None:
+        """SIGKILL a ready serving worker that has been silent longer than the bound: SIGSTOPped,
+        or stuck in one forward pass (engine/heartbeat.py). Its exit is then reaped as a crash."""
+        w = self.serving
+        if w is None or w.ready_at is None or w.eof or w.hung is not None:
+            return
+        silent = time.monotonic() - max(w.heard_at, w.ready_at)
+        if silent <= self.heartbeat_timeout:
+            return
+        log.warning(HUNG.format(pid=w.pid, seconds=silent, timeout=self.heartbeat_timeout))
+        w.hung = HUNG_CAUSE
+        w.signal(signal.SIGKILL)  # a stopped process dies of SIGKILL too; reaped below as a crash
+
     def _on_event(self, w: Worker, event: dict) -> None:
         if event.get("event") != "ready" or w is not self.serving:
             return  # "spare" is logged by the spare itself
@@ -206,6 +254,10 @@ class RespawnSupervisor:
         if self.death is not None:
             when, dead, why = self.death
             log.info(RESPAWNED.format(pid=w.pid, seconds=w.ready_at - when, dead=dead, cause=why))
+            log.info(TIMELINE.format(json=json.dumps({
+                "dead_pid": dead, "pid": w.pid, "death_seen": round(when, 6),
+                "promoted": round(w.promoted_at or when, 6), "worker": event.get("phases", {}),
+                "ready_seen": round(w.ready_at, 6)})))
             self.death = None
         if self.spare is None:
             # Started only now: its import would compete for the CPU with the promotion.
@@ -216,7 +268,7 @@ class RespawnSupervisor:
             if not w.exited():
                 continue
             w.close()
-            why = cause(w.proc.returncode)
+            why = w.hung or cause(w.proc.returncode)
             if w is self.spare:
                 self.spare = None
                 if self._count_crash(w, why):
@@ -274,10 +326,42 @@ class RespawnSupervisor:
 
 
 def run_respawn(args, loader_config) -> int:
-    """``wcache serve --respawn``: check what a plain serve checks, listen, then supervise."""
+    """``wcache serve --respawn``: check what a plain serve checks (torch and the engine imported),
+    listen, then replace this process's image with the small supervisor (``main``), same pid."""
     from wcache.engine.engine import rank_specs
 
     plan, _ = rank_specs(args, loader_config)
     if plan.world_size > 1:
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
-    return RespawnSupervisor(args, listen(args.host, args.port)).run()
+    sock = listen(args.host, args.port)
+    exec_supervisor(args, sock)
+    return 1  # not reached: exec does not return
+
+
+def exec_supervisor(args, sock: socket.socket) -> None:
+    """``exec`` ``python -m wcache.engine.respawn`` with the listening socket (inherited by number)."""
+    os.set_inheritable(sock.fileno(), True)
+    spec = {"args": vars(args), "listen_fd": sock.fileno(), "log_level": args.log_level}
+    env = dict(os.environ, **{SUPERVISOR_ENV: json.dumps(spec)})
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "wcache.engine.respawn"], env)
+
+
+def main() -> int:
+    """The supervisor after the exec: the standard library, wcache.errors and wcache.logs only."""
+    spec = json.loads(os.environ.pop(SUPERVISOR_ENV))
+    logs.setup(spec["log_level"])
+    import argparse  # the Namespace the workers' spec is built from, as before the exec
+
+    args = argparse.Namespace(**spec["args"])
+    sock = socket.socket(fileno=spec["listen_fd"])
+    os.set_inheritable(sock.fileno(), False)  # the workers get it through pass_fds
+    try:
+        return RespawnSupervisor(args, sock).run()
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
