@@ -50,6 +50,8 @@ import sys
 import time
 
 from wcache import logs
+from wcache.engine import handoff
+from wcache.engine.reception import Reception
 from wcache.errors import RespawnError
 
 log = logging.getLogger("wcache.respawn")
@@ -66,6 +68,7 @@ HEARTBEAT_TIMEOUT_S = 5.0
 STABLE_S = 10.0
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
 MAX_DEATHS = 5
+SPARE_DELAY_S = 1.0  # after a respawn, the next spare starts this long after the promoted worker is ready
 STOP_GRACE_S = 10.0
 
 STARTED = "Respawn supervisor pid {pid} listens on http://{host}:{port}; engine worker pid {worker} starts"
@@ -79,6 +82,8 @@ HUNG_CAUSE = "killed as hung, SIGKILL"
 # bench that killed the worker can line them up with its own): bench_respawn.py splits the kill to
 # the next answer into phases with it.
 TIMELINE = "Respawn timeline: {json}"
+HELD = ("Engine worker pid {pid} held {again} request(s) not yet begun (handed to the next worker), {cut} "
+        "stream(s) ended with an error event, {closed} answer(s) cut with a closed connection")
 STOPPING = "Received {signal}, stopping the engine workers"
 STOPPED = "Respawn supervisor stopped"
 
@@ -109,21 +114,26 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class Worker:
-    """One engine worker process and the two pipes it is driven by (JSON lines, no pickle)."""
+    """One engine worker process, the two pipes it is driven by (JSON lines, no pickle) and the
+    socket its connections are handed over (engine/handoff.py)."""
 
-    def __init__(self, args, sock: socket.socket):
+    def __init__(self, args):
         control_r, self.control = os.pipe()
         self.status, status_w = os.pipe()
-        spec = {"args": vars(args), "listen_fd": sock.fileno(), "control_fd": control_r, "status_fd": status_w,
+        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.channel.settimeout(2.0)  # a send to a stopped worker does not hold the supervisor long
+        self.frames = handoff.FrameReader(self.channel)
+        spec = {"args": vars(args), "handoff_fd": theirs.fileno(), "control_fd": control_r, "status_fd": status_w,
                 "parent_pid": os.getpid(), "log_level": args.log_level}
         env = dict(os.environ, **{SPARE_ENV: json.dumps(spec)})
         # Its own process group (in the same session, so a container runtime or tools/k8s_probe.py
         # still sees it): a terminal's Ctrl-C, or a signal to the supervisor's group, reaches the
         # supervisor alone, which stops the workers itself instead of racing their exits.
         self.proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.spare"], env=env,
-                                     pass_fds=(sock.fileno(), control_r, status_w), process_group=0)
+                                     pass_fds=(theirs.fileno(), control_r, status_w), process_group=0)
         os.close(control_r)
         os.close(status_w)
+        theirs.close()
         self.pid = self.proc.pid
         self.pending = b""
         self.eof = False
@@ -163,22 +173,32 @@ class Worker:
         except ProcessLookupError:
             pass
 
+    def drain(self) -> list[dict]:
+        """Every frame it sent before it died (read to EOF: its end closed with it)."""
+        frames = []
+        while not self.frames.eof:
+            frames += self.frames.read()
+        return frames
+
     def close(self) -> None:
         for fd in (self.control, self.status):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self.channel.close()
 
 
 class RespawnSupervisor:
-    def __init__(self, args, sock: socket.socket):
+    def __init__(self, args, sock: socket.socket, front_door: dict):
         self.args, self.sock = args, sock
+        self.reception = Reception(sock, front_door["limits"], front_door["responses"])
         self.serving: Worker | None = None
         self.spare: Worker | None = None
         self.deaths = 0  # crashes in a row
         self.death: tuple[float, int, str] | None = None  # (when, pid, cause) of the death being answered
         self.promote_at: float | None = None
+        self.spare_at: float | None = None  # when to start the next spare
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
         self.heartbeat_timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
@@ -189,13 +209,14 @@ class RespawnSupervisor:
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.serving = Worker(self.args, self.sock)
+            self.serving = Worker(self.args)
             log.info(STARTED.format(pid=os.getpid(), host=self.args.host, port=self.args.port, worker=self.serving.pid))
             # The first worker answers /health 503 while it loads, as a plain `wcache serve` does.
             self.serving.promote(answer_while_loading=True)
             return self._loop()
         finally:
             self._stop_workers()
+            self.reception.close_all()
             self.sock.close()
             for s, h in old.items():
                 signal.signal(s, h)
@@ -213,6 +234,7 @@ class RespawnSupervisor:
             if self.promote_at is not None:
                 timeout = max(0.0, min(timeout, self.promote_at - time.monotonic()))
             fds = [w.status for w in self.workers() if not w.eof] + [self.wake_r]
+            fds += [w.channel for w in self.workers() if not w.frames.eof] + self.reception.fds()
             try:
                 readable, _, _ = select.select(fds, [], [], timeout)
             except InterruptedError:
@@ -223,12 +245,21 @@ class RespawnSupervisor:
                 if w.status in readable and not w.eof:
                     for event in w.events():
                         self._on_event(w, event)
+                if w.channel in readable and not w.frames.eof:
+                    for frame in w.frames.read():
+                        self.reception.on_frame(w, frame)
+            self.reception.readable(readable)
+            self.reception.tick()
             self._check_heartbeat()
             code = self._reap()
             if code is not None:
                 return code
             if self.promote_at is not None and time.monotonic() >= self.promote_at:
                 self._promote()
+            if self.spare_at is not None and time.monotonic() >= self.spare_at:
+                self.spare_at = None
+                if self.spare is None:
+                    self.spare = Worker(self.args)
             s = self.serving
             if s is not None and s.ready_at is not None and time.monotonic() - s.ready_at >= STABLE_S:
                 self.deaths = 0  # it served long enough: the next death starts a new count
@@ -259,9 +290,11 @@ class RespawnSupervisor:
                 "promoted": round(w.promoted_at or when, 6), "worker": event.get("phases", {}),
                 "ready_seen": round(w.ready_at, 6)})))
             self.death = None
+        self.reception.worker_ready(w)  # connections that waited for a worker are handed now
         if self.spare is None:
-            # Started only now: its import would compete for the CPU with the promotion.
-            self.spare = Worker(self.args, self.sock)
+            # Not now: its import (seconds of CPU) would compete with the first answers of the
+            # promoted worker, which bench --respawn saw as most of the kill to the next 200.
+            self.spare_at = time.monotonic() + (SPARE_DELAY_S if self.deaths else 0.0)
 
     def _reap(self) -> int | None:
         for w in self.workers():
@@ -274,9 +307,13 @@ class RespawnSupervisor:
                 if self._count_crash(w, why):
                     return 1
                 log.warning(SPARE_DIED.format(pid=w.pid, cause=why))
-                self.spare = Worker(self.args, self.sock)
+                self.spare = Worker(self.args)
                 continue
             self.serving = None
+            for frame in w.drain():  # what it said before it died: which answers it had begun
+                self.reception.on_frame(w, frame)
+            again, cut, closed = self.reception.worker_died(
+                w, RespawnError.STREAM_CUT.format(pid=w.pid, cause=why))
             if w.ready_at is None and w.proc.returncode == 2:
                 log.error(RespawnError.CONFIG.format(pid=w.pid))
                 return 2
@@ -291,6 +328,8 @@ class RespawnSupervisor:
             if delay:
                 then += f" in {delay:g} s (crash {self.deaths} in a row; at {MAX_DEATHS} --respawn gives up)"
             log.warning(DIED.format(pid=w.pid, cause=why, then=then))
+            if again or cut or closed:
+                log.warning(HELD.format(pid=w.pid, again=again, cut=cut, closed=closed))
         return None
 
     def _count_crash(self, w: Worker, why: str) -> bool:
@@ -304,7 +343,7 @@ class RespawnSupervisor:
 
     def _promote(self) -> None:
         self.promote_at = None
-        w, self.spare = self.spare or Worker(self.args, self.sock), None
+        w, self.spare = self.spare or Worker(self.args), None
         self.serving = w
         w.promote(answer_while_loading=False)  # clients wait in the backlog until it is ready
 
@@ -334,14 +373,36 @@ def run_respawn(args, loader_config) -> int:
     if plan.world_size > 1:
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
     sock = listen(args.host, args.port)
-    exec_supervisor(args, sock)
+    exec_supervisor(args, sock, front_door())
     return 1  # not reached: exec does not return
 
 
-def exec_supervisor(args, sock: socket.socket) -> None:
+def front_door() -> dict:
+    """The front door's limits and the answers the supervisor gives itself (a 503 while busy or
+    while the first worker loads), rendered with the engine's own texts before the exec."""
+    import dataclasses
+
+    from wcache.engine import openai_api as api
+    from wcache.engine import server
+    from wcache.errors import BUSY_MESSAGE, LOADING
+
+    limits = dataclasses.asdict(server.DEFAULT_LIMITS) | {"max_body": server.MAX_BODY_BYTES}
+
+    def render(payload: dict) -> str:
+        body = json.dumps(payload).encode()
+        return handoff.encode(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    return {"limits": limits, "responses": {
+        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=limits["max_connections"]))),
+        "loading": render(api.error_body(503, LOADING)), "health_loading": render({"status": "loading"}),
+        "error_type": "InternalServerError"}}  # vLLM's type for a 500
+
+
+def exec_supervisor(args, sock: socket.socket, door: dict) -> None:
     """``exec`` ``python -m wcache.engine.respawn`` with the listening socket (inherited by number)."""
     os.set_inheritable(sock.fileno(), True)
-    spec = {"args": vars(args), "listen_fd": sock.fileno(), "log_level": args.log_level}
+    spec = {"args": vars(args), "listen_fd": sock.fileno(), "log_level": args.log_level, "front_door": door}
     env = dict(os.environ, **{SUPERVISOR_ENV: json.dumps(spec)})
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -356,9 +417,11 @@ def main() -> int:
 
     args = argparse.Namespace(**spec["args"])
     sock = socket.socket(fileno=spec["listen_fd"])
-    os.set_inheritable(sock.fileno(), False)  # the workers get it through pass_fds
+    os.set_inheritable(sock.fileno(), False)  # only the supervisor accepts (engine/reception.py)
+    door = spec["front_door"]
+    responses = {k: (handoff.decode(v) if k != "error_type" else v) for k, v in door["responses"].items()}
     try:
-        return RespawnSupervisor(args, sock).run()
+        return RespawnSupervisor(args, sock, {"limits": door["limits"], "responses": responses}).run()
     except KeyboardInterrupt:
         return 130
 

@@ -32,6 +32,7 @@ from wcache.engine.engine import run_serve  # noqa: E402
 from wcache.engine.loading import registry  # noqa: E402,F401  (every loader: disk, ipc_cache and their modules)
 from wcache.engine.loading.config import parse_loader_config  # noqa: E402
 from wcache.engine.loading.lease import CacheLease  # noqa: E402,F401
+from wcache.engine.handed import HandedConnections  # noqa: E402
 from wcache.engine.heartbeat import Heartbeat  # noqa: E402
 from wcache.engine.respawn import BEAT_S, HEARTBEAT_TIMEOUT_S, SPARE_ENV  # noqa: E402
 from wcache.engine.runner import die_with_parent  # noqa: E402
@@ -88,11 +89,15 @@ def main() -> int:
     promoted = time.monotonic()
     order = json.loads(line)
     args = argparse.Namespace(**spec["args"])
-    sock = socket.socket(fileno=spec["listen_fd"])
+    channel = socket.socket(fileno=spec["handoff_fd"])
+    # Connections come from the supervisor (engine/handed.py), never from a listening socket: the
+    # server listens on a private loopback port that nobody is told, so its accept never fires.
+    sock = socket.create_server(("127.0.0.1", 0))
     timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
     heartbeat = Heartbeat(lambda: tell(status), BEAT_S, stall_s=timeout / 2)
 
-    def on_ready(engine) -> None:
+    def on_ready(engine, server) -> None:
+        HandedConnections(channel, server).start()
         # Its stamps on CLOCK_MONOTONIC, which the supervisor's and a bench's share (respawn.TIMELINE).
         tell(status, event="ready", pid=os.getpid(),
              phases={"order_received": round(promoted, 6), "ready": round(time.monotonic(), 6)})
