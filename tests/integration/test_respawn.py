@@ -91,10 +91,10 @@ def _complete(port: int, body: dict, outcome: dict) -> None:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                  data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=180) as r:
             outcome["status"], outcome["body"] = r.status, r.read()
     except Exception as e:  # noqa: BLE001
-        outcome["error"] = failure_kind(e)
+        outcome["error"], outcome["exception"] = failure_kind(e), repr(e)
     outcome["at"] = time.monotonic()
 
 
@@ -107,7 +107,7 @@ def test_a_request_not_yet_answered_at_the_death_is_answered_by_the_spare(procs,
     p = procs.serve(tiny_model, "--respawn", "--max-model-len", "512")
     wait_spares(p, 1)
     victim = ready_pids(p.log())[0]
-    body = {"prompt": "Hello", "max_tokens": 500}  # greedy: the same tokens whoever answers
+    body = {"prompt": "Hello", "max_tokens": 200}  # greedy: the same tokens whoever answers
     expected = {}
     _complete(p.port, body, expected)
     assert expected.get("status") == 200, expected
@@ -120,9 +120,9 @@ def test_a_request_not_yet_answered_at_the_death_is_answered_by_the_spare(procs,
     outcome = {}
     t = threading.Thread(target=_complete, args=(p.port, body, outcome))
     t.start()
-    time.sleep(0.3)  # 500 tokens take seconds here: the request is being decoded, nothing sent yet
+    time.sleep(0.3)  # 200 tokens take seconds here: the request is being decoded, nothing sent yet
     os.kill(victim, signal.SIGKILL)
-    t.join(60)
+    t.join(240)
     assert outcome.get("status") == 200, outcome
     got, want = json.loads(outcome["body"]), json.loads(expected["body"])
     assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
@@ -142,7 +142,7 @@ def test_a_stream_begun_at_the_death_ends_with_an_error_event_naming_it(procs, t
                  headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200
-    first = r.fp.readline()  # the first event's line: the stream has begun
+    first = r.read1(65536)  # the first event (a chunk): the stream has begun
     assert first.startswith(b"data: {"), first
     os.kill(victim, signal.SIGKILL)
     rest = r.read().decode()  # ends: a last chunk, not a hang and not a reset
