@@ -206,8 +206,8 @@ def http_limits() -> str:
 
 
 def streaming_records(bench_dir: Path = plot_bench.BENCH_DIR) -> list[tuple[Path, dict]]:
-    """``python -m wcache.bench_http`` records (concurrent streaming clients), in file-name order."""
-    from wcache.bench_http import RECORD_KEY
+    """``python -m wcache.bench.streaming`` records (concurrent streaming clients), in file-name order."""
+    from wcache.bench.streaming import RECORD_KEY
 
     return plot_bench._records(RECORD_KEY, bench_dir)
 

@@ -276,7 +276,7 @@ _START_ROWS = {"disk": "`safetensors`", "ipc_cache": "`ipc_cache`", "floor": "fl
 
 def engine_start_table(bench_dir: Path = BENCH_DIR) -> str:
     """An engine process from spawn to /health 200, disk against the cache, and where its own
-    start-up spends the time (bench_start.ENGINE_PHASES), for the records that timed it."""
+    start-up spends the time (bench/start.py ENGINE_PHASES), for the records that timed it."""
     recs = [(p, d) for p, d in bench_records(bench_dir) if d.get("engine_start")]
     if not recs:
         return NO_RECORD
@@ -340,7 +340,7 @@ def standby_cells(h: dict) -> tuple[str, str]:
 
 
 def standby_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
-    """What a standby daemon cost and saved in each bench record that measured one (bench_restart.py)."""
+    """What a standby daemon cost and saved in each bench record that measured one (bench/restart.py)."""
     rows = ["| Record | Device | Transport | Host memory while standing by | SIGKILL of the serving daemon to the "
             "standby's READY | Of the first start | Engine's answers after it |",
             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
@@ -357,7 +357,7 @@ def standby_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/")
 
 
 def handback_phases_table(bench_dir: Path = BENCH_DIR) -> str:
-    """Where each daemon start of a restart measurement spends its time (bench_restart.PHASES)."""
+    """Where each daemon start of a restart measurement spends its time (bench/restart.py PHASES)."""
     recs = [(p, d) for p, d in restart_records(bench_dir) if d["handback"].get("restart_phases_s")]
     if not recs:
         return NO_RECORD
