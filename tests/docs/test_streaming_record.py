@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import doc_tables
-import plot_bench
+import bench_records
 from wcache.bench import streaming
 
 
@@ -24,7 +24,7 @@ def test_a_16_client_record_is_published_and_fit():
 
 
 def test_the_page_shows_every_record_with_its_figures():
-    page = (plot_bench.BENCH_DIR.parent / "benchmarks.md").read_text(encoding="utf-8")
+    page = (bench_records.BENCH_DIR.parent / "benchmarks.md").read_text(encoding="utf-8")
     assert doc_tables.http_streaming() in page
     for path, d in published():
         row = next(line for line in page.splitlines() if path.name in line)

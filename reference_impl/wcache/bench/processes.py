@@ -65,6 +65,22 @@ class DaemonUnderTest:
         self.log.close()
 
 
+def terminate(proc: subprocess.Popen, session: bool = False, timeout: float = 60) -> int:
+    """Stop an engine under test: SIGTERM, then SIGKILL (to its whole ``session``, where it leads
+    one) if it has not exited within ``timeout`` seconds. Its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if session:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def rss_bytes(pid: int) -> int:
     """The resident set of ``pid`` (0 for a process that has none, a zombie)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from wcache.bench.api import complete, free_port
 from wcache.bench.failure import bench_failure
-from wcache.bench.processes import rss_bytes
+from wcache.bench.processes import rss_bytes, terminate
 from wcache.engine.respawn import STABLE_S
 from wcache.engine.spare import SPARE_READY
 from wcache.wire.sockets import short_private_dir
@@ -155,15 +155,9 @@ class Serving:
         return time.monotonic() - self.t0
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        code = terminate(self.proc, session=True)
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 def _pids(pattern: re.Pattern, text: str) -> list[int]:

@@ -11,7 +11,6 @@ no phase covers (HTTP server, model build, binding) is reported as ``other``.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from wcache.bench.api import free_port, healthy
 from wcache.bench.failure import bench_failure
+from wcache.bench.processes import terminate
 
 ENGINE_PHASES = ("interpreter", "imports", "cuda_context", "weights", "autotune", "activation_peak", "kv_alloc", "other")
 START_TIMEOUT_S = 1800  # to /health 200, a large checkpoint read from a cold disk included
@@ -69,13 +69,7 @@ class EngineUnderTest:
         return {k: round(v, 4) for k, v in out.items()}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.log.close()
 
 
