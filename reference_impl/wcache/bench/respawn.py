@@ -47,7 +47,8 @@ PHASES = {
     "promote": "the supervisor's decision to its promotion order, written to the spare's pipe",
     "order_delivery": "the order on the pipe to the spare reading it",
     "worker_start": "the spare's start-up: context, weights mapped, memory plan, server ready",
-    "first_answer": "the worker ready to the first 200 of a request sent after the kill",
+    "first_answer": "the worker ready to the first 200 of a request sent after the kill (the steady client "
+                    "first gets the answer to its request in flight at the kill, handed again to this worker)",
 }
 
 

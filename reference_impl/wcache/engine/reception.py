@@ -32,7 +32,7 @@ from wcache.engine import handoff
 log = logging.getLogger("wcache.respawn")
 
 MAX_HEAD = 64 << 10  # the request line and headers; longer, it is handed over for the worker to refuse
-_LENGTH = re.compile(rb"^content-length:[ \t]*([0-9]{1,12})[ \t]*$", re.I | re.M)
+_LENGTH = re.compile(rb"^content-length:[ \t]*([0-9]{1,12})[ \t]*\r?$", re.I | re.M)
 _CHUNKED = re.compile(rb"^transfer-encoding:", re.I | re.M)
 
 READING, QUEUED, HANDED = "reading", "queued", "handed"
