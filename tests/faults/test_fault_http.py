@@ -288,7 +288,7 @@ def read_one_answer(s: socket.socket) -> bytes:
 @pytest.mark.parametrize("with_request", [True, False], ids=["after a request", "silent"])
 def test_idle_connections_make_room_for_new_clients(with_request, caplog):
     caplog.set_level(logging.INFO, logger="wcache.server")
-    server = small_server(idle_timeout_s=600.0, max_connections=8)  # only making room can free a slot
+    server = small_server(idle_timeout_s=600.0, max_waiting_connections=8)  # only making room can free a slot
     port = server.server_address[1]
     held = keep_alive_connections(port, 8, with_request)
     try:
@@ -319,8 +319,8 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout():
 
 
 def test_65_idle_connections_against_wcache_serve_do_not_starve_a_client(engine):
-    """The issue's attack at the defaults: one more idle connection than there are slots."""
-    n = DEFAULT_LIMITS.max_connections + 1
+    """The issue's attack at the defaults: one more idle connection than there are waiting slots."""
+    n = DEFAULT_LIMITS.max_waiting_connections + 1
     held = keep_alive_connections(engine.port, n, with_request=False)
     try:
         time.sleep(DEFAULT_LIMITS.head_grace_s + 0.2)
