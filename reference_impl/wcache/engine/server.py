@@ -317,6 +317,7 @@ def run_until_signal(server: EngineServer, on_stop=None) -> None:
     first: list[int] = []
 
     def handle(signum, _frame):
+        server.draining = True  # /health 503 from this instant, before the drain's own log line
         if stop.is_set() or signum == signal.SIGINT:
             again.set()
         first.append(signum)
