@@ -318,7 +318,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout():
         stop(server)
 
 
-def test_65_idle_connections_against_wcache_serve_do_not_starve_a_client(engine):
+def test_one_more_idle_connection_than_waiting_slots_does_not_starve_a_client(engine):
     """The issue's attack at the defaults: one more idle connection than there are waiting slots."""
     n = DEFAULT_LIMITS.max_waiting_connections + 1
     held = keep_alive_connections(engine.port, n, with_request=False)
