@@ -238,6 +238,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--respawn", action="store_true",
                    help="instead: kill the serving worker of `wcache serve --respawn` under a steady client, "
                         "against a fresh `wcache serve` from disk (bench_respawn.py)")
+    p.add_argument("--health-under-load", action="store_true",
+                   help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
+                        "connections are held open and 16 streams run (bench/health.py)")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:

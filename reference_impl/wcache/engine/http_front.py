@@ -305,7 +305,7 @@ class FrontDoorServer(ThreadingHTTPServer):
         self.closing = False  # a drain stopped accepting: no keep-alive past the current request
         # A decoding thread holds the GIL for up to the switch interval (5 ms) each time a request's
         # thread asks for it, and a probe's answer asks a dozen times: 1 ms keeps /health's p99 low
-        # while completions decode (tools/health_under_load.py measures it).
+        # while completions decode (wcache bench --health-under-load measures it).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         try:
             super().__init__(address, handler, bind_and_activate=sock is None)
