@@ -136,10 +136,13 @@ class _Handler(FrontDoorHandler):
         elif self.path == "/version":
             engine = server.engine if server.ready else None
             self.send_json(200, version_body(engine.cfg.device if engine is not None else None))
-        elif server.render_metrics is None:
-            self._error(404, NO_METRICS)
         else:
-            body, content_type = server.render_metrics()
+            # The hook, or the metrics module's EngineMetrics (server.metrics) once it is merged in.
+            render = server.render_metrics or getattr(getattr(server, "metrics", None), "render_metrics", None)
+            if render is None:
+                self._error(404, NO_METRICS)
+                return
+            body, content_type = render()
             self.send_bytes(200, body, content_type)
 
     def do_GET(self):
