@@ -28,7 +28,7 @@ from wcache.engine.loading.config import parse_loader_config
 
 POD = ROOT / "examples" / "k8s-pod-isolated.yaml"
 COMPOSE = ROOT / "examples" / "compose-isolated.yaml"
-VERSIONS = ["1.34.0", "1.37.0"]
+VERSIONS = ["1.34.0", "1.35.0", "1.36.0", "1.37.0"]
 
 
 def docs() -> dict[str, dict]:
@@ -37,7 +37,7 @@ def docs() -> dict[str, dict]:
 
 def containers() -> tuple[dict, dict]:
     spec = docs()["Pod"]["spec"]
-    (daemon,), (engine,) = spec["initContainers"], spec["containers"]
+    (_verify, daemon), (engine,) = spec["initContainers"], spec["containers"]
     return daemon, engine
 
 
@@ -65,7 +65,7 @@ def test_isolated_pod_is_strictly_valid(version):
         assert errors_of(doc, version) == [], doc["kind"]
     # Strict means strict: a misspelt field is an error, not silently ignored.
     bad = copy.deepcopy(d["Pod"])
-    sidecar = bad["spec"]["initContainers"][0]
+    sidecar = bad["spec"]["initContainers"][1]
     sidecar["livenessProbes"] = sidecar.pop("livenessProbe")
     assert any("livenessProbes" in e for e in errors_of(bad, version))
 
@@ -82,15 +82,20 @@ def test_nothing_is_shared_but_the_emptydir_volumes():
     assert not {"hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"} & set(spec)
     daemon, engine = containers()
     mounts = [{m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (daemon, engine)]
-    assert mounts[0] == mounts[1] == {"model": "/models/llama", "sockets": "/run/wcache", "cache": "/var/cache/wcache"}
+    shared = {"model": "/models/llama", "sockets": "/run/wcache", "cache": "/var/cache/wcache"}
+    assert mounts[0] == {**shared, "daemon-tmp": "/tmp"} and mounts[1] == {**shared, "engine-tmp": "/tmp"}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["sockets"]["emptyDir"] == {} and volumes["cache"]["emptyDir"] == {}
+    for name in ("sockets", "cache", "daemon-tmp", "engine-tmp"):
+        assert set(volumes[name]["emptyDir"]) == {"sizeLimit"}, volumes[name]  # on disk, capped
     assert "/dev/shm" not in {m["mountPath"] for c in (daemon, engine) for m in c["volumeMounts"]}
     # One GPU claim, listed by both containers; no device-plugin GPU, which only one container could get.
     assert [c["name"] for c in spec["resourceClaims"]] == ["gpu"]
     assert spec["resourceClaims"][0]["resourceClaimTemplateName"] == docs()["ResourceClaimTemplate"]["metadata"]["name"]
+    rct = docs()["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
+    assert [r["exactly"]["deviceClassName"] for r in rct] == ["gpu.nvidia.com"]  # NVIDIA's DRA driver
     for c in (daemon, engine):
-        assert c["resources"] == {"claims": [{"name": "gpu"}]}, c["resources"]
+        assert c["resources"]["claims"] == [{"name": "gpu"}], c["resources"]
+        assert "nvidia.com/gpu" not in c["resources"]["limits"]
 
 
 def test_the_daemon_is_a_sidecar_and_the_probes_check_the_right_processes():
@@ -107,6 +112,14 @@ def test_the_daemon_is_a_sidecar_and_the_probes_check_the_right_processes():
     config = loader_config(engine)
     parse_loader_config(config)  # the engine's own validation accepts it
     assert config["transport"] == "vmm_fd" and config["fallback"] is False
+    # The engine waits for a restarting daemon exactly as long as its startup probe lets it.
+    probe = engine["startupProbe"]
+    assert config["state_timeout_s"] == probe["periodSeconds"] * probe["failureThreshold"]
+    # The engine restarts alone: the kubelet restarts it on exit or when its liveness probe fails
+    # (the pod's restartPolicy, Always by default); no --respawn inside it.
+    assert docs()["Pod"]["spec"].get("restartPolicy", "Always") == "Always"
+    assert engine["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "--respawn" not in engine["args"]
     assert f"--weight-cache-socket-dir={config['socket_dir']}" in daemon["args"]
     sockets = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}["sockets"]
     assert config["socket_dir"].startswith(sockets + "/")  # on the shared emptyDir
@@ -116,9 +129,15 @@ def test_same_command_lines_as_the_compose_file_that_ci_runs():
     compose = yaml.safe_load(COMPOSE.read_text())["services"]
     daemon, engine = containers()
 
+    # Compose runs on the host's network, so it binds both ports to loopback; a pod has its own
+    # network namespace, where the kubelet's probes and the Service need the pod's address.
+    host_only = {"--host=127.0.0.1", "--weight-cache-health-host=127.0.0.1"}
+
     def norm(args: list[str]) -> list[str]:
         out = []
         for a in args:
+            if a in host_only:
+                continue
             a = a.replace("${HEALTH_PORT:-8001}", "8001").replace("${PORT:-8000}", "8000")
             out.append(a.replace("=/models/llama", "=/model").replace("/models/llama", "/model"))
         return out
@@ -130,7 +149,7 @@ def test_same_command_lines_as_the_compose_file_that_ci_runs():
     ci_engine = [a for a in norm(compose["engine"]["command"]) if not a.startswith(flag)]
     assert pod_engine == ci_engine
     ci_config = json.loads(next(a for a in compose["engine"]["command"] if a.startswith(flag))[len(flag):])
-    assert {k: v for k, v in loader_config(engine).items() if k != "fallback"} == ci_config
+    assert {k: v for k, v in loader_config(engine).items() if k != "state_timeout_s"} == ci_config
 
 
 # -- The pod for real: its containers on Docker, as the kubelet lays them out (tests/docker/podrun.py).
