@@ -24,6 +24,7 @@ import yaml
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs the dev extra kubernetes-validate")
 from dockerlib import ROOT
 
+from wcache import errors
 from wcache.engine.loading.config import parse_loader_config
 
 POD = ROOT / "examples" / "k8s-pod-isolated.yaml"
@@ -213,6 +214,9 @@ def test_the_pod_runs_as_two_containers_that_share_only_the_volumes(docker_image
         log = logs(e)
         assert mapped_line() in log and "falling back" not in log, log
         assert "into a memfd arena" in logs(d)
+        # The kubelet's emptyDir is writable by all, so the daemon does not trust a state directory
+        # on it: no hand-back to a restarted daemon in this pod (docs/kubernetes.md says so).
+        assert errors.ARENA_RECORD_UNSAFE.split("{dir}")[0] in logs(d)
         answer = run.exec_python("engine", COMPLETE).stdout.strip()
         assert answer.startswith("["), answer
 
