@@ -90,22 +90,25 @@ def test_every_container_requests_what_it_is_limited_to(name):
                 assert r["requests"][key] == r["limits"][key], (obj["kind"], c["name"], key)
 
 
-def test_the_daemon_gets_the_memory_the_guide_sizes():
-    """Host memory above what was measured: the daemon's interpreters with torch (1010 MiB on the
-    H200, the standby record) and the serving engine with --respawn's spare and supervisor (2.1 GiB)."""
-    record = json.loads((ROOT / "docs/benchmarks/2026-12-03-h200-llama-8b-vmm_fd.json").read_text())
-    respawn = json.loads((ROOT / "docs/benchmarks/2026-12-03-h200-llama-8b-respawn.json").read_text())
-    daemon_mib = record["handback"]["standby_rss_mib"]
-    mem = respawn["memory"] if "memory" in respawn else respawn["respawn"]["memory"]
-    engine_mib = (mem["spare_rss_bytes"] + mem["serving_rss_bytes"] + mem["supervisor_rss_bytes"]) / 2**20
-    gib = lambda q: int(q.removesuffix("Gi")) * 1024  # noqa: E731
+def test_the_memory_limits_hold_what_was_measured():
+    """Host memory that cannot be reclaimed (anonymous and shared; page cache can), from the H200
+    records: the daemon's peak while loading (tools/docker/daemon_memory.py) and the engine under
+    --respawn (its serving worker, spare and supervisor), with the margins docs/kubernetes.md gives."""
+    daemon = json.loads((ROOT / "docs/benchmarks/deploy/2026-12-04-h200-daemon-memory-vmm_fd.json").read_text())
+    peak = daemon["load_peaks_mib"]
+    daemon_mib = peak["RssAnon"] + peak["RssShmem"]
+    respawn = json.loads((ROOT / "docs/benchmarks/2026-12-03-h200-llama-8b-respawn.json").read_text())["respawn"]["memory"]
+    serving_mib = respawn["serving_rss_bytes"] / 2**20
+    engine_mib = (respawn["spare_rss_bytes"] + respawn["serving_rss_bytes"] + respawn["supervisor_rss_bytes"]) / 2**20
+    mib = lambda q: int(q.removesuffix("Gi")) * 1024  # noqa: E731
     pod = yaml.safe_load((EXAMPLES / "k8s-pod.yaml").read_text())["spec"]
     (one,) = pod["containers"]
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"]
-    assert gib(one["resources"]["limits"]["memory"]) >= 2 * (daemon_mib + engine_mib) + gib(shm)
+    assert mib(one["resources"]["limits"]["memory"]) >= 1.2 * (daemon_mib + engine_mib) + mib(shm)
     isolated = [d for d in yaml.safe_load_all((EXAMPLES / "k8s-pod-isolated.yaml").read_text()) if d["kind"] == "Pod"][0]
-    daemon = isolated["spec"]["initContainers"][1]
-    assert daemon["name"] == "weight-cache" and gib(daemon["resources"]["limits"]["memory"]) >= 2 * daemon_mib
+    (_, sidecar), (engine,) = isolated["spec"]["initContainers"], isolated["spec"]["containers"]
+    assert mib(sidecar["resources"]["limits"]["memory"]) >= 1.5 * daemon_mib
+    assert mib(engine["resources"]["limits"]["memory"]) >= 2 * serving_mib
 
 
 @pytest.mark.parametrize("name", MANIFESTS)

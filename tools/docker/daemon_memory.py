@@ -3,7 +3,9 @@ limits are sized from (docs/kubernetes.md, "How much memory").
 
 Starts `wcache preload` on a checkpoint, waits for READY, then reads every process of the daemon
 (launcher and ranks) from /proc: resident memory now (VmRSS) and its peak (VmHWM, which covers the
-load). Writes one JSON record. Run it where the daemon will run, e.g. on the GPU host:
+load), and, sampled every 0.2 s during the load, the peak of each kind: anonymous memory (what a
+limit must hold), file pages (the checkpoint's page cache, which the kernel reclaims before it
+kills) and shared memory. Writes one JSON record. Run it where the daemon will run, e.g. on the GPU host:
 
     python3 -m wcache.cli make-checkpoint /tmp/l8 --preset llama-8b
     python3 tools/docker/daemon_memory.py --model /tmp/l8 --device cuda --output daemon-memory.json
@@ -53,7 +55,7 @@ def status_kib(pid: int) -> dict[str, int]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
             out[key] = int(value.split()[0])
     return out
 
@@ -87,12 +89,22 @@ def main() -> int:
     t0 = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    peaks = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0}
     try:
         while READY not in log.read_text(errors="replace"):
             if proc.poll() is not None or time.monotonic() - t0 > args.timeout:
                 print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
                 return 1
-            time.sleep(0.5)
+            now = {k: 0 for k in peaks}
+            for pid in tree(proc.pid):
+                try:
+                    st = status_kib(pid)
+                except OSError:
+                    continue
+                for k in now:
+                    now[k] += st.get(k, 0)
+            peaks = {k: max(peaks[k], now[k]) for k in peaks}
+            time.sleep(0.2)
         ready_s = time.monotonic() - t0
         time.sleep(5)  # settled: what it holds while serving
         processes = []
@@ -112,9 +124,12 @@ def main() -> int:
     record = {"environment": environment(args.device), "model": {"path": args.model, "bytes": model_bytes},
               "transport": args.transport, "ready_s": round(ready_s, 2), "processes": processes,
               "rss_mib": round(sum(p["VmRSS"] for p in processes) / 1024, 1),
-              "peak_rss_mib": round(sum(p["VmHWM"] for p in processes) / 1024, 1)}
+              "peak_rss_mib": round(sum(p["VmHWM"] for p in processes) / 1024, 1),
+              "load_peaks_mib": {k: round(v / 1024, 1) for k, v in peaks.items()},
+              "serving_mib": {k: round(sum(p.get(k, 0) for p in processes) / 1024, 1)
+                              for k in ("RssAnon", "RssFile", "RssShmem")}}
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("rss_mib", "peak_rss_mib", "ready_s")}))
+    print(json.dumps({k: record[k] for k in ("rss_mib", "peak_rss_mib", "load_peaks_mib", "serving_mib", "ready_s")}))
     return 0
 
 
