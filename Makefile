@@ -78,7 +78,7 @@ test: $(VENV)/.dev-installed docs-assets browser-deps checkov
 
 # Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
 # cost in tests/costs.json reaches tests/costs.py's SLOW_S (such tests are marked slow at collection).
-test-fast: $(VENV)/.dev-installed docs-assets
+test-fast: $(VENV)/.dev-installed docs-assets checkov
 	$(PY) -m pytest tests $(XDIST) -m "not slow and not docker and not browser"
 
 # Measure every test's cost again (tests/costs.json decides which tests are slow); on an idle machine.
