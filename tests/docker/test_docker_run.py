@@ -88,6 +88,13 @@ def test_engine_maps_the_daemons_weights(pair):
     assert complete(pair.port)["choices"][0]["token_ids"]
 
 
+def test_the_images_health_check_asks_each_containers_own_port(pair):
+    # HEALTHCHECK asks WCACHE_HEALTH_URL, which each `docker run` line sets to its own port.
+    for c in (pair.daemon, pair.engine):
+        wait_until(lambda: inspect(c)["State"]["Health"]["Status"] == "healthy", 90, f"{c} healthy",
+                   lambda: str(inspect(c)["State"].get("Health"))[-3000:])
+
+
 def test_socket_dir_is_private_to_the_daemons_user(pair):
     # The daemon created the subdirectory of the named volume itself: 0700, owned by its uid.
     r = docker("exec", pair.daemon, "stat", "-c", "%a %u", SOCKET_DIR)
