@@ -235,7 +235,7 @@ def test_compose_restarts_both_binds_loopback_and_turns_fallback_off(name):
     services = yaml.safe_load((EXAMPLES / name).read_text())["services"]
     daemon, engine = services["weight-cache"], services["engine"]
     for s in (daemon, engine):
-        assert s["restart"] == "always" and s["cap_drop"] == ["ALL"] and s["mem_limit"]
+        assert s["restart"] == "always" and s["cap_drop"] == ["ALL"] and s["mem_limit"] == s["mem_reservation"]
         assert s["security_opt"] == ["no-new-privileges:true"] and "user" not in s
     assert "--weight-cache-health-host=127.0.0.1" in daemon["command"]
     assert "--host=127.0.0.1" in engine["command"]
