@@ -51,6 +51,7 @@ import time
 
 from wcache import logs
 from wcache.engine import handoff
+from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
 from wcache.engine.reception import Reception
 from wcache.errors import RespawnError
 
@@ -348,12 +349,16 @@ class RespawnSupervisor:
         w.promote(answer_while_loading=False)  # clients wait in the backlog until it is ready
 
     def _stop_workers(self) -> None:
-        """SIGTERM to every worker (the serving one stops as a plain `wcache serve` does), SIGKILL
-        to any still running after STOP_GRACE_S."""
+        """SIGTERM to every worker (the serving one drains as a plain `wcache serve` does: /health
+        503, accepting on the socket this supervisor still holds for --shutdown-delay, then its
+        in-flight requests for up to --shutdown-timeout), SIGKILL to any still running STOP_GRACE_S
+        after both."""
         workers = self.workers()
         for w in workers:
             w.signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        drain_s = getattr(self.args, "shutdown_delay", SHUTDOWN_DELAY_S) + getattr(self.args, "shutdown_timeout",
+                                                                                  SHUTDOWN_TIMEOUT_S)
+        deadline = time.monotonic() + drain_s + STOP_GRACE_S
         for w in workers:
             try:
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -373,11 +378,11 @@ def run_respawn(args, loader_config) -> int:
     if plan.world_size > 1:
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
     sock = listen(args.host, args.port)
-    exec_supervisor(args, sock, front_door())
+    exec_supervisor(args, sock, front_door(args))
     return 1  # not reached: exec does not return
 
 
-def front_door() -> dict:
+def front_door(args) -> dict:
     """The front door's limits and the answers the supervisor gives itself (a 503 while busy or
     while the first worker loads), rendered with the engine's own texts before the exec."""
     import dataclasses
@@ -386,7 +391,10 @@ def front_door() -> dict:
     from wcache.engine import server
     from wcache.errors import BUSY_MESSAGE, LOADING
 
-    limits = dataclasses.asdict(server.DEFAULT_LIMITS) | {"max_body": server.MAX_BODY_BYTES}
+    working = getattr(args, "max_concurrent_connections", server.DEFAULT_LIMITS.max_connections)
+    limits = dataclasses.asdict(server.Limits(max_connections=working)) | {"max_body": server.MAX_BODY_BYTES}
+    # The supervisor holds every connection, working or waiting: the front door's two budgets together.
+    limits["max_connections"] = working + limits.get("max_waiting_connections", 0)
 
     def render(payload: dict) -> str:
         body = json.dumps(payload).encode()
@@ -394,7 +402,7 @@ def front_door() -> dict:
                               b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
 
     return {"limits": limits, "responses": {
-        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=limits["max_connections"]))),
+        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=working))),
         "loading": render(api.error_body(503, LOADING)), "health_loading": render({"status": "loading"}),
         "error_type": "InternalServerError"}}  # vLLM's type for a 500
 
