@@ -350,7 +350,7 @@ class RespawnSupervisor:
 
     def _stop_workers(self) -> None:
         """SIGTERM to every worker (the serving one drains as a plain `wcache serve` does: /health
-        503, accepting on the socket this supervisor still holds for --shutdown-delay, then its
+        503, answering what this supervisor hands it for --shutdown-delay, then its
         in-flight requests for up to --shutdown-timeout), SIGKILL to any still running STOP_GRACE_S
         after both."""
         workers = self.workers()
@@ -359,6 +359,19 @@ class RespawnSupervisor:
         drain_s = getattr(self.args, "shutdown_delay", SHUTDOWN_DELAY_S) + getattr(self.args, "shutdown_timeout",
                                                                                   SHUTDOWN_TIMEOUT_S)
         deadline = time.monotonic() + drain_s + STOP_GRACE_S
+        # The supervisor holds the connections: it goes on handing requests to the draining worker
+        # (which answers /health 503 and serves what comes during --shutdown-delay) until it exits.
+        while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
+            live = [w for w in workers if not w.frames.eof]
+            try:
+                ready, _, _ = select.select([w.channel for w in live] + self.reception.fds(), [], [], 0.05)
+            except InterruptedError:
+                continue
+            for w in live:
+                if w.channel in ready:
+                    for frame in w.frames.read():
+                        self.reception.on_frame(w, frame)
+            self.reception.readable(ready)
         for w in workers:
             try:
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
