@@ -46,6 +46,10 @@ class QuantMethod:
     def check_loadable(self) -> None:
         """Raises QuantizationError where the engine cannot run the method at all (disk or cache)."""
 
+    def check_layout(self, hf: dict, tp: int) -> None:
+        """Raises QuantizationError where this tensor-parallel size cannot split the stored form
+        (checked when the layout is planned, before any rank starts)."""
+
     # -- reading the checkpoint (core/postprocess.py) -----------------------------------------------
     def for_linear(self, hf_parts: list[str]) -> "QuantMethod":
         """The method of one projection, by its checkpoint module names (fused ones have several):
@@ -205,6 +209,33 @@ class Fp8BlockCheckpoint(QuantMethod):
             raise QuantizationError(QuantizationError.SCALE_SHAPE.format(
                 path=self.path, name=f"{name}.weight_scale_inv", shape=list(s.shape), weight=list(w.shape),
                 block=list(self.block), expected=list(expected)))
+
+    def check_layout(self, hf, tp):
+        """The checks split_rows, split_cols and process make, on meta tensors of layer 0's shapes
+        and in their order, so a layout that loading would refuse is refused before it starts."""
+        h, inter, hd = hf["hidden_size"], hf["intermediate_size"], hf["head_dim"]
+        q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                  "mlp.down_proj": (h, inter)}
+        fused = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "attn.o": ("self_attn.o_proj",), "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+                 "mlp.down": ("mlp.down_proj",)}
+        for name, parts in fused.items():
+            hf_names = [f"model.layers.0.{p}" for p in parts]
+            if self.for_linear(hf_names) is not self:
+                continue
+            metas = []
+            for module, part in zip(hf_names, parts):
+                rows, cols = shapes[part]
+                meta = {"weight": torch.empty(rows, cols, dtype=fp8.FP8, device="meta"),
+                        "weight_scale_inv": torch.empty(fp8.ceil_div(rows, self.block[0]),
+                                                        fp8.ceil_div(cols, self.block[1]), device="meta")}
+                if tp > 1:
+                    split = self.split_cols if name in ("attn.o", "mlp.down") else self.split_rows
+                    meta = split(meta, 0, tp, module)
+                metas.append(meta)
+            self.process(metas, hf_names, f"layers.0.{name}", torch.bfloat16)
 
     def split_rows(self, part, rank, size, name):
         self.check_part(part, name)
