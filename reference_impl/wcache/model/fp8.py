@@ -68,6 +68,11 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
                          dtype: torch.dtype) -> torch.Tensor:
     # float32 product, then the compute dtype: what transformers' Fp8Dequantize does, so a float32
     # engine up-casts to exactly transformers' weights.
+    bn, bk = block
+    out_f, in_f = q.shape
+    if out_f % bn == 0 and in_f % bk == 0:  # broadcast the scales: no (out, in) scale tensor
+        tiles = q.float().view(out_f // bn, bn, in_f // bk, bk) * scale_inv[:, None, :, None]
+        return tiles.view(out_f, in_f).to(dtype)
     return (q.float() * expand_block_scales(scale_inv, tuple(q.shape), block)).to(dtype)
 
 
