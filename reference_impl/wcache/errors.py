@@ -60,6 +60,7 @@ class QuantizationError(UserError):
                   "checkpoint with an engine that runs {method}")
     OLD_GPTQ = ("; wcache's load-time grouped int4 method, formerly called 'gptq', was removed: use "
                 "--quantization int8 or fp8 on an unquantized checkpoint")
+    BLOCK_WITHOUT_FP8 = "--weight-block-size applies to `wcache make-checkpoint --quantization fp8` only"
     FP8_FIELD = "FP8 checkpoint {path}: quantization_config.{field} is {value}; {why}"
     FP8_WHY = {
         "activation_scheme": "wcache quantizes activations dynamically only (\"dynamic\")",

@@ -24,15 +24,21 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights: the same seed, the same bytes")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the stored weights")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
+                   help="fp8: store every decoder projection block-wise in FP8 as transformers does (float8_e4m3fn "
+                        "weights, float32 weight_scale_inv per block, quantization_config in config.json)")
+    p.add_argument("--weight-block-size", type=_positive, default=None, metavar="N",
+                   help="FP8 block of N x N weights (default: 128; 32 for the tiny and tensors-10k presets, "
+                        "whose heads are 32 wide)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from wcache.core.config import DTYPE_CHOICES
-    from wcache.model.quant import METHODS
+    from wcache.model.quant import CHOICES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
-    p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
+    p.add_argument("--quantization", "-q", default=None, choices=CHOICES,
                    help="quantization method; default: the checkpoint's quantization_config, else none")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto picks cuda when available")

@@ -158,3 +158,13 @@ def test_an_engine_without_fp8_gets_the_field_level_mismatch_not_fp8_weights(ser
         load(tiny_model, "ipc_cache", served["sockets"]["online"])
     assert "WeightCacheKey mismatch on fields: ['quantization', 'quantization_config']" in str(e.value)
     assert served["online"].proc.poll() is None  # the daemon keeps serving
+
+
+def test_make_checkpoint_writes_fp8_and_refuses_a_block_size_without_it(main, tmp_path):
+    code, out = main("make-checkpoint", str(tmp_path / "b16"), "--quantization", "fp8", "--weight-block-size", "16")
+    assert code == 0, out
+    qc = json.loads((tmp_path / "b16" / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [16, 16] and qc["quant_method"] == "fp8"
+    code, out = main("make-checkpoint", str(tmp_path / "plain"), "--weight-block-size", "16")
+    assert code == 2 and "--weight-block-size applies to `wcache make-checkpoint --quantization fp8` only" in out
+    assert not (tmp_path / "plain").exists()
