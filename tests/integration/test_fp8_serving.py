@@ -168,3 +168,21 @@ def test_make_checkpoint_writes_fp8_and_refuses_a_block_size_without_it(main, tm
     code, out = main("make-checkpoint", str(tmp_path / "plain"), "--weight-block-size", "16")
     assert code == 2 and "--weight-block-size applies to `wcache make-checkpoint --quantization fp8` only" in out
     assert not (tmp_path / "plain").exists()
+
+
+def test_bench_times_online_fp8_through_the_daemon_and_every_engine(tiny_model, tmp_path):
+    """`wcache bench -q fp8`: the daemon and every engine it starts quantize alike (else the cache
+    key would differ and the cache samples fail); the record names the method."""
+    from procs import private_env
+
+    with private_env(tmp_path / "cache") as env:
+        p = subprocess.run([sys.executable, "-m", "wcache.cli", "bench", "--model", str(tiny_model), "--device", "cpu",
+                            "--quantization", "fp8", "--json", "--repeat", "1"], env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert r["model"]["quantization"]["quant_method"] == "fp8" and r["model"]["tensors"] == 43
+    s = r["seconds"]
+    print(f"\nwcache bench -q fp8 (tiny): disk read + quantize {s['disk'] * 1e3:.1f} ms, zero_copy "
+          f"{s['zero_copy'] * 1e3:.1f} ms, copy {s['copy'] * 1e3:.1f} ms")
+    assert s["zero_copy"] < s["disk"]

@@ -193,10 +193,19 @@ def add_preload_args(p) -> None:
                         "local rank, in local rank order")
 
 
+def _quantization_choices() -> list[str]:
+    from wcache.model.quant import CHOICES
+
+    return CHOICES
+
+
 def add_bench_args(p) -> None:
     p.add_argument("--model", required=True, help="model directory to time")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto picks cuda when available")
     p.add_argument("--dtype", default="auto", help="as serve's --dtype")
+    p.add_argument("--quantization", "-q", default=None, choices=_quantization_choices(),
+                   help="as serve's --quantization, for the daemon and every engine (e.g. fp8: the daemon "
+                        "quantizes once, a disk start quantizes on every start)")
     p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
                    help="the daemon's --weight-cache-transport (CUDA only)")
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
