@@ -427,7 +427,9 @@ def exec_supervisor(args, sock: socket.socket, door: dict) -> None:
     env = dict(os.environ, **{SUPERVISOR_ENV: json.dumps(spec)})
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "wcache.engine.respawn"], env)
+    # The original command line follows (ignored by main): ps, a probe harness or an operator still
+    # sees `wcache serve ... --respawn` in this pid's command line.
+    os.execve(sys.executable, [sys.executable, "-m", "wcache.engine.respawn", "--", *sys.argv], env)
 
 
 def main() -> int:
