@@ -59,8 +59,14 @@ def test_a_killed_worker_is_replaced_on_the_same_socket_and_no_client_is_refused
 
     sample = kill_under_load(p.port, first)
     assert sample["refused"] == 0, sample
-    assert sample["failed"] == [], sample  # the request in flight was handed again to the spare
     assert sample["death_to_next_200_s"] <= 1.5, sample
+    # The request in flight was handed again to the spare, unless its answer had begun to be
+    # written at the kill (a window of microseconds per answer): then, and only then, it is closed.
+    held = re.search(r"held (\d+) request\(s\) not yet begun .*?, (\d+) stream\(s\) ended with an error event, "
+                     r"(\d+) answer\(s\) cut", p.log())
+    cut = int(held.group(3)) if held else 0
+    assert len(sample["failed"]) == cut <= 1, (sample, held and held.group(0))
+    assert all(f["kind"] == "closed" and f["sent_before_kill"] for f in sample["failed"]), sample
 
     p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
     log = p.log()
