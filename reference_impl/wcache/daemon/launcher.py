@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
 from wcache.daemon import prewarm
+from wcache.daemon.metrics import LauncherMetrics
 from wcache.daemon.seed import preload_seed_settings
 from wcache.errors import (
     STANDBY_STOPPED,
@@ -62,12 +63,21 @@ class Health:
         return self.ready and not self.failed
 
 
-def start_health_server(host: str, port: int, health: Health) -> ThreadingHTTPServer:
+def start_health_server(host: str, port: int, health: Health, metrics: LauncherMetrics | None = None
+                        ) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
         def do_GET(self):
+            if self.path == "/metrics" and metrics is not None:  # Prometheus (daemon/metrics.py)
+                body, content_type = metrics.render_metrics()
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if self.path != "/health":
                 self.send_error(404)
                 return
@@ -219,14 +229,15 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.set())
     health = Health()
+    metrics = LauncherMetrics(health, [lock.path for lock in locks])  # before the ranks: they write to it
     server = None
     if args.weight_cache_health_port is not None:
-        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health)
+        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health, metrics)
 
     spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
             "transport": args.weight_cache_transport, "adopt": args.weight_cache_adopt,
-            "rehash": getattr(args, "weight_cache_rehash", False),
+            "rehash": getattr(args, "weight_cache_rehash", False), "metrics_dir": metrics.directory,
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
@@ -249,6 +260,8 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
             dead = [r for r in ranks if r.proc.poll() is not None]
             if dead and not health.failed:
                 health.failed = True
+                for r in dead:
+                    metrics.rank_exited(r.proc.pid)
                 log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
                           {r.label: r.proc.returncode for r in dead})
         return 0
@@ -257,6 +270,7 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
         if server is not None:
             server.shutdown()
             server.server_close()
+        metrics.close()
 
 
 def _await_ready(ranks: list[RankProcess], stop: threading.Event) -> int | None:

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from wcache.core import metrics
 from wcache.engine.http_front import address_error
 from wcache.engine.server import EngineServer
 from wcache.errors import RespawnError
@@ -83,12 +84,14 @@ def listen(host: str, port: int) -> socket.socket:
 class Worker:
     """One engine worker process and the two pipes it is driven by (JSON lines, no pickle)."""
 
-    def __init__(self, args, sock: socket.socket):
+    def __init__(self, args, sock: socket.socket, metrics_dir: str | None = None):
         control_r, self.control = os.pipe()
         self.status, status_w = os.pipe()
         spec = {"args": vars(args), "listen_fd": sock.fileno(), "control_fd": control_r, "status_fd": status_w,
                 "parent_pid": os.getpid(), "log_level": args.log_level}
         env = dict(os.environ, **{SPARE_ENV: json.dumps(spec)})
+        if metrics_dir:  # every worker adds to the same counters: they outlive a worker (engine/metrics.py)
+            env[metrics.MULTIPROC_ENV] = metrics_dir
         # Its own process group (in the same session, so a container runtime or tools/k8s_probe.py
         # still sees it): a terminal's Ctrl-C, or a signal to the supervisor's group, reaches the
         # supervisor alone, which stops the workers itself instead of racing their exits.
@@ -148,6 +151,10 @@ class RespawnSupervisor:
         self.promote_at: float | None = None
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
+        self.metrics_dir = metrics.make_dir("wcache-metrics-")
+
+    def _worker(self) -> Worker:
+        return Worker(self.args, self.sock, self.metrics_dir)
 
     def workers(self) -> list[Worker]:
         return [w for w in (self.serving, self.spare) if w is not None]
@@ -155,7 +162,7 @@ class RespawnSupervisor:
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.serving = Worker(self.args, self.sock)
+            self.serving = self._worker()
             log.info(STARTED.format(pid=os.getpid(), host=self.args.host, port=self.args.port, worker=self.serving.pid))
             # The first worker answers /health 503 while it loads, as a plain `wcache serve` does.
             self.serving.promote(answer_while_loading=True)
@@ -163,6 +170,7 @@ class RespawnSupervisor:
         finally:
             self._stop_workers()
             self.sock.close()
+            metrics.remove_dir(self.metrics_dir)
             for s, h in old.items():
                 signal.signal(s, h)
             log.info(STOPPED)
@@ -209,20 +217,21 @@ class RespawnSupervisor:
             self.death = None
         if self.spare is None:
             # Started only now: its import would compete for the CPU with the promotion.
-            self.spare = Worker(self.args, self.sock)
+            self.spare = self._worker()
 
     def _reap(self) -> int | None:
         for w in self.workers():
             if not w.exited():
                 continue
             w.close()
+            metrics.mark_dead(w.pid, self.metrics_dir)  # its live gauges leave the sum; its counters stay
             why = cause(w.proc.returncode)
             if w is self.spare:
                 self.spare = None
                 if self._count_crash(w, why):
                     return 1
                 log.warning(SPARE_DIED.format(pid=w.pid, cause=why))
-                self.spare = Worker(self.args, self.sock)
+                self.spare = self._worker()
                 continue
             self.serving = None
             if w.ready_at is None and w.proc.returncode == 2:
@@ -252,7 +261,7 @@ class RespawnSupervisor:
 
     def _promote(self) -> None:
         self.promote_at = None
-        w, self.spare = self.spare or Worker(self.args, self.sock), None
+        w, self.spare = self.spare or self._worker(), None
         self.serving = w
         w.promote(answer_while_loading=False)  # clients wait in the backlog until it is ready
 

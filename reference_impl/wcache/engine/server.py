@@ -27,6 +27,7 @@ from wcache.engine import http_front
 from wcache.engine import openai_api as api
 from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
+from wcache.engine.metrics import EngineMetrics
 
 log = logging.getLogger("wcache.server")
 
@@ -42,6 +43,7 @@ _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit number
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
     ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
+    ("GET", "/metrics"): "Prometheus metrics, vLLM's names and the cache's own (docs/monitoring.md)",
     ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
                            "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
     ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
@@ -76,6 +78,7 @@ class EngineServer(FrontDoorServer):
         self.model_name = model_name
         self.ready = engine is not None
         self.created = int(time.time())
+        self.metrics = EngineMetrics(self)
         super().__init__(address, _Handler, limits, sock)
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
@@ -95,6 +98,13 @@ class _Handler(FrontDoorHandler):
                 self.send_json(200, {"status": "ok"})
             else:
                 self.send_json(503, {"status": "loading"})
+        elif self.path == "/metrics":
+            body, content_type = self.server.metrics.render_metrics()
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif self.path == "/v1/models":
             engine = self.server.engine if self.server.ready else None
             self.send_json(200, api.models_body(self.server.model_name, self.server.created,
@@ -158,13 +168,15 @@ class _Handler(FrontDoorHandler):
         except api.ApiError as e:
             self.send_json(e.status, e.body())
             return
-        if req.stream:
-            self._stream(engine, req)
-            return
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
+        with self.server.metrics.request() as timing:
+            if req.stream:
+                self._stream(engine, req, timing)
+                return
+            done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
+            timing.finish(done)
         self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
 
-    def _stream(self, engine, req: api.CompletionRequest) -> None:
+    def _stream(self, engine, req: api.CompletionRequest, timing) -> None:
         """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
         finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
         thread; a client that goes away stops the decoding at its next token."""
@@ -193,12 +205,14 @@ class _Handler(FrontDoorHandler):
         while True:
             kind, item = pieces.get()
             if kind == "text":
+                timing.first_token()
                 self._event(api.stream_chunk(cid, created, model, item), gone)
                 continue
             if kind == "error":
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
                 return
+            timing.finish(item, "abort" if gone.is_set() else None)
             self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
             if req.include_usage:
                 self._event(api.usage_chunk(cid, created, model, item), gone)
