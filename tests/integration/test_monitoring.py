@@ -296,3 +296,101 @@ def test_kubernetes_manifests_carry_the_annotations_the_scrape_job_reads(manifes
         assert annotations["prometheus.io/path"] == "/metrics"
         assert int(annotations["prometheus.io/port"]) == ports["http"]
         assert "weight-cache" in ports
+
+
+# -- the servers' own /metrics, without Prometheus -------------------------------------------------
+NO_TUNE = "--no-enable-autotune"
+
+
+def scrape(port: int) -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items: value}} of one GET /metrics, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def families(port: int) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return {f.name for f in text_string_to_metric_families(r.read().decode())}
+
+
+def one(port: int, name: str) -> float | None:
+    """The value of a sample name that has one series (None while it has none)."""
+    series = scrape(port).get(name, {})
+    assert len(series) <= 1, f"{name}: {series}"
+    return next(iter(series.values()), None)
+
+
+def test_what_the_servers_export_is_what_the_tables_declare(procs, tiny_model):
+    """The guide's tables come from METRICS (tools/doc_tables.py): every family a real engine and
+    daemon export is declared there, and every declared engine family is exported."""
+    from wcache.daemon.metrics import METRICS as DAEMON
+    from wcache.engine.metrics import METRICS as ENGINE
+
+    health = free_port()
+    procs.preload(tiny_model, NO_TUNE, "--weight-cache-health-host", "127.0.0.1", "--weight-cache-health-port",
+                  str(health))
+    engine = procs.serve(tiny_model, "--load-format", "ipc_cache", NO_TUNE)
+    complete(engine.port)
+    assert families(engine.port) == {m.name for m in ENGINE}
+    exported = families(health)
+    # A counter that never counted has no series in multiprocess mode (no adoption, no seed request).
+    assert {"wcache_daemon_ready", "wcache_daemon_weights_bytes", "wcache_daemon_handoffs",
+            "wcache_daemon_standby_waiting"} <= exported <= {m.name for m in DAEMON}
+
+
+def test_a_waiting_standby_and_its_adoption_are_reported(procs, tiny_model, wcache_env):
+    """The running daemon counts the standby blocked on its lock; the standby, once it has taken
+    over and adopted the engine's arena, answers the same health port and counts the adoption."""
+    from itest import default_socket
+    from wcache.errors import STANDING_BY
+
+    health = free_port()
+    port_args = ("--weight-cache-health-host", "127.0.0.1", "--weight-cache-health-port", str(health))
+    first = procs.preload(tiny_model, NO_TUNE, *port_args)
+    engine = procs.serve(tiny_model, "--load-format", "ipc_cache", NO_TUNE)
+    assert one(health, "wcache_daemon_standby_waiting") == 0
+    assert one(health, "wcache_daemon_adoptions_total") is None
+    standby = procs.preload(tiny_model, NO_TUNE, "--weight-cache-standby", *port_args, ready=False)
+    standby.wait_for_log(STANDING_BY.format(path=default_socket(wcache_env)), timeout=120)
+    wait_until(lambda: one(health, "wcache_daemon_standby_waiting") == 1, 30, "the standby counted")
+
+    first.kill_group()  # the launcher and its rank at once, as a crash would
+    standby.wait_for_log("Weight cache daemon READY", timeout=60)
+    wait_until(lambda: one(health, "wcache_daemon_adoptions_total") == 1, 30, "the adoption counted",
+               lambda: str(scrape(health)))
+    assert one(health, "wcache_daemon_standby_waiting") == 0
+    assert one(health, "wcache_daemon_ready") == 1
+    assert one(health, "wcache_daemon_weights_bytes") > 1e6
+    assert one(health, "wcache_daemon_handoffs_total") is None  # the engine was adopted, not handed weights
+    # The engine maps the adopted arena, leased again from the new daemon.
+    wait_until(lambda: one(engine.port, "wcache_engine_daemon_alive") == 1, 30, "the engine's lease again")
+
+
+def test_counters_outlive_a_respawned_worker(procs, tiny_model):
+    """``serve --respawn``: the supervisor's workers share one multiprocess directory, so a worker's
+    death does not reset the counters its successor serves (and the load counter sees both)."""
+    engine = procs.serve(tiny_model, "--respawn", NO_TUNE)
+    for _ in range(2):
+        complete(engine.port, max_tokens=3)
+    success = "vllm:request_success_total"
+    assert sum(scrape(engine.port)[success].values()) == 2
+    assert sum(scrape(engine.port)["wcache_engine_weight_loads_total"].values()) == 1
+    worker = int(engine.log().split("engine worker pid ")[1].split()[0])
+    os.kill(worker, 9)
+    engine.wait_for_log("Respawned", timeout=120)
+    complete(engine.port, max_tokens=3)
+    after = scrape(engine.port)
+    assert sum(after[success].values()) == 3
+    assert sum(after["vllm:generation_tokens_total"].values()) == 9
+    assert sum(after["vllm:e2e_request_latency_seconds_count"].values()) == 3
+    assert sum(after["wcache_engine_weight_loads_total"].values()) == 2
+    assert one(engine.port, "wcache_engine_ready") == 1

@@ -52,6 +52,9 @@ def build(metric: Metric, registry=None):
     registry; multiprocess mode, where the directory's collector reads it)."""
     import prometheus_client as pc
 
+    # No ``*_created`` series: multiprocess mode has none, so a scrape shows the same families in
+    # either mode (and half the series). A process-wide switch; wcache's processes have no other user.
+    pc.disable_created_metrics()
     assert not metric.live and metric.kind in KINDS, metric
     kw = {"labelnames": metric.labels, "registry": registry}
     if metric.kind == "counter":

@@ -12,6 +12,7 @@ a crash, costs only the takeover; see docs/lifecycle.md).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ log = logging.getLogger("wcache.preload")
 
 STARTUP_FAILED = "Weight cache daemon rank(s) exited during startup (exitcodes={codes})"
 READY = "Weight cache daemon READY"
+HEALTH_PORT_TAKEOVER_S = 5.0  # a standby's wait for the stopped daemon's health port to close
 
 
 class Health:
@@ -63,8 +65,10 @@ class Health:
         return self.ready and not self.failed
 
 
-def start_health_server(host: str, port: int, health: Health, metrics: LauncherMetrics | None = None
-                        ) -> ThreadingHTTPServer:
+def start_health_server(host: str, port: int, health: Health, metrics: LauncherMetrics | None = None,
+                        wait_s: float = 0.0) -> ThreadingHTTPServer:
+    """Serve /health (and /metrics). ``wait_s``: how long to retry a port still in use (a standby
+    taking over: the dead daemon's rank releases the lock before its launcher's socket is closed)."""
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -89,7 +93,15 @@ def start_health_server(host: str, port: int, health: Health, metrics: LauncherM
             self.end_headers()
             self.wfile.write(body.encode())
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            server = ThreadingHTTPServer((host, port), Handler)
+            break
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     log.info("Health endpoint on http://%s:%d/health", host, port)
@@ -232,7 +244,8 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
     metrics = LauncherMetrics(health, [lock.path for lock in locks])  # before the ranks: they write to it
     server = None
     if args.weight_cache_health_port is not None:
-        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health, metrics)
+        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health, metrics,
+                                     wait_s=HEALTH_PORT_TAKEOVER_S if any(lock.waited for lock in locks) else 0.0)
 
     spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
