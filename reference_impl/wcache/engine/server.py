@@ -43,7 +43,8 @@ _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit number
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
     ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
-    ("GET", "/metrics"): "Prometheus metrics, vLLM's names and the cache's own (docs/monitoring.md)",
+    ("GET", "/metrics"): "Prometheus metrics in the text format: vLLM's names and the cache's own "
+                          "([Monitoring](monitoring.md))",
     ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
                            "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
     ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
