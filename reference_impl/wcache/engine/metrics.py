@@ -130,6 +130,12 @@ class EngineMetrics:
             self.registry = m.new_registry(directory)
             stored = None if directory else self.registry  # multiprocess: the directory's collector reads them
             self.stored = {x.name: m.build(x, stored) for x in METRICS if not x.live}
+            # Each completion's series, looked up once (labels() takes a lock and a dict lookup).
+            lab = self.labels
+            self._per_request = (self.stored[PROMPT_TOKENS.name].labels(*lab),
+                                 self.stored[GENERATION_TOKENS.name].labels(*lab),
+                                 {r: self.stored[SUCCESS.name].labels(*lab, r) for r in FINISHED_REASONS},
+                                 self.stored[TTFT.name].labels(*lab), self.stored[E2E.name].labels(*lab))
             self.registry.register(_Live(self))
             self._built = True
 
@@ -162,13 +168,13 @@ class EngineMetrics:
                 self.in_flight -= 1
 
     def _finished(self, completion, reason: str, ttft: float | None, e2e: float) -> None:
-        s, labels = self.stored, self.labels
-        s[PROMPT_TOKENS.name].labels(*labels).inc(completion.prompt_tokens)
-        s[GENERATION_TOKENS.name].labels(*labels).inc(len(completion.token_ids))
-        s[SUCCESS.name].labels(*labels, reason if reason in FINISHED_REASONS else "stop").inc()
+        prompt, generation, success, ttft_hist, e2e_hist = self._per_request
+        prompt.inc(completion.prompt_tokens)
+        generation.inc(len(completion.token_ids))
+        success[reason if reason in FINISHED_REASONS else "stop"].inc()
         if ttft is not None:
-            s[TTFT.name].labels(*labels).observe(ttft)
-        s[E2E.name].labels(*labels).observe(e2e)
+            ttft_hist.observe(ttft)
+        e2e_hist.observe(e2e)
 
     def render_metrics(self) -> tuple[bytes, str]:
         """(body, content type) of ``GET /metrics``, in Prometheus' text format."""
