@@ -31,11 +31,11 @@ def test_lock_waiters_counts_the_processes_blocked_on_the_daemons_locks(tmp_path
     assert lock_waiters([mine]) == 0
     waiters = [blocked_on(mine), blocked_on(other)]
     try:
-        deadline = time.monotonic() + 10
-        while lock_waiters([mine]) < 1 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # both interpreters started and blocked (a loaded host is slow)
+        while lock_waiters([mine, other]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert lock_waiters([mine]) == 1  # the waiter on the other file is not counted
         assert lock_waiters([mine, other]) == 2
+        assert lock_waiters([mine]) == 1  # the waiter on the other file is not counted
         assert lock_waiters([tmp_path / "missing.lock"]) == 0
     finally:
         for w in waiters:
