@@ -291,7 +291,9 @@ def test_kubernetes_manifests_carry_the_annotations_the_scrape_job_reads(manifes
             reason = f"{manifest} has no prometheus.io annotations yet (the [deploy-2] change adds them)"
             print(f"SKIP: {reason}")
             pytest.skip(reason)
-        ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        # Kubernetes discovery lists init containers' ports too: the isolated pod's daemon is a sidecar.
+        containers = pod["spec"]["containers"] + pod["spec"].get("initContainers", [])
+        ports = {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", [])}
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/path"] == "/metrics"
         assert int(annotations["prometheus.io/port"]) == ports["http"]
