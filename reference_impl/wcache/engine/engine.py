@@ -44,6 +44,7 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     stop_reason: str | None  # the stop string that ended it (None for EOS or length, as vLLM)
     prompt_tokens: int
+    first_token_at: float | None = None  # time.monotonic() of the first token (the metrics' time to first token)
 
 
 class Engine:
@@ -100,9 +101,12 @@ class Engine:
         text = TextStream(stop)
         sampling = sampling.seeded()  # every rank draws with the same seed
         gone = False
+        first: list[float] = []
 
         def on_token(tok: int) -> bool:
             nonlocal gone
+            if not first:
+                first.append(time.monotonic())
             piece = text.push(tok)
             if on_text is not None and piece and not gone:
                 gone = bool(on_text(piece))
@@ -122,7 +126,7 @@ class Engine:
         if on_text is not None and rest and not gone:
             on_text(rest)
         finish = "stop" if text.stopped or (out and out[-1] == tokenizer.EOS_ID) else "length"
-        return Completion(text.text, out, finish, text.stop_reason, len(ids))
+        return Completion(text.text, out, finish, text.stop_reason, len(ids), first[0] if first else None)
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
         """Greedy (text, token ids, finish reason, prompt tokens)."""
@@ -212,6 +216,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
         server = EngineServer.from_args(args, engine, sock)
     server.engine, server.ready = engine, True
+    server.metrics.engine_ready(engine)
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
     if on_ready is not None:
         on_ready(engine, server)

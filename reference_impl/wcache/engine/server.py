@@ -33,6 +33,7 @@ from wcache.engine.version_info import version_body
 from wcache.errors import (BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS, NO_ROUTE, NOT_ALLOWED,
                            SHUTTING_DOWN, TOO_LARGE)
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
+from wcache.engine.metrics import EngineMetrics
 
 log = logging.getLogger("wcache.server")
 
@@ -96,6 +97,7 @@ class EngineServer(FrontDoorServer):
         self.model_name = model_name
         self.ready = engine is not None
         self.created = int(time.time())
+        self.metrics = EngineMetrics(self)  # GET /metrics (engine/metrics.py), read by the health lane
         self.draining = False  # a SIGTERM came: /health is 503 from then on (engine/drain.py)
         self.aborting = threading.Event()  # the drain's deadline passed: running completions end with an error
         self.render_metrics = None  # MetricsRenderer, or None (404)
@@ -214,21 +216,23 @@ class _Handler(FrontDoorHandler):
         if aborting.is_set():
             self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
             return
-        if req.stream:
-            self._stream(engine, req)
-            return
-        gone = cut = False
+        with self.server.metrics.request() as timing:
+            if req.stream:
+                self._stream(engine, req, timing)
+                return
+            gone = cut = False
 
-        def on_text(_piece: str) -> bool:
-            # Asked at each new piece of text: the client left (nobody to answer), or the drain's
-            # deadline passed. Either stops decoding at this token.
-            nonlocal gone, cut
-            record.token()
-            gone = gone or peer_closed(self.connection)
-            cut = cut or aborting.is_set()
-            return gone or cut
+            def on_text(_piece: str) -> bool:
+                # Asked at each new piece of text: the client left (nobody to answer), or the drain's
+                # deadline passed. Either stops decoding at this token.
+                nonlocal gone, cut
+                record.token()
+                gone = gone or peer_closed(self.connection)
+                cut = cut or aborting.is_set()
+                return gone or cut
 
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+            done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+            timing.finish(done, "abort" if gone or cut else None)
         record.prompt_tokens, record.generation_tokens = done.prompt_tokens, len(done.token_ids)
         if gone:
             self.close_connection = True
@@ -240,7 +244,7 @@ class _Handler(FrontDoorHandler):
             return
         self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
 
-    def _stream(self, engine, req: api.CompletionRequest) -> None:
+    def _stream(self, engine, req: api.CompletionRequest, timing) -> None:
         """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
         finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
         thread; a client that goes away stops the decoding at its next token, and so does the drain's
@@ -276,6 +280,7 @@ class _Handler(FrontDoorHandler):
         while True:
             kind, item = pieces.get()
             if kind == "text":
+                timing.first_token()
                 self._event(api.stream_chunk(cid, created, model, item), gone)
                 continue
             if kind == "error":
@@ -283,6 +288,7 @@ class _Handler(FrontDoorHandler):
                 log.error("A streamed completion failed: %s", item)
                 return
             record.prompt_tokens, record.generation_tokens = item.prompt_tokens, len(item.token_ids)
+            timing.finish(item, "abort" if gone.is_set() or aborting.is_set() else None)
             if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
                 self.close_connection = True
                 self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
