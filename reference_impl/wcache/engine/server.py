@@ -16,8 +16,8 @@ it binds or on a listening socket it is handed (``sock=``).
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
 import re
 import signal
 import threading
@@ -25,7 +25,8 @@ import time
 
 from wcache.engine import http_front
 from wcache.engine import openai_api as api
-from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE
+from wcache.engine.scheduler import QueueFull
+from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE, QUEUE_FULL
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
 log = logging.getLogger("wcache.server")
@@ -37,6 +38,7 @@ MAX_DISCARD_BYTES = 16 << 20
 READ_TIMEOUT_S = DEFAULT_LIMITS.read_timeout_s  # each read of a request
 BODY_DEADLINE_S = REQUEST_DEADLINE_S = DEFAULT_LIMITS.request_deadline_s  # the whole request from its first byte
 MAX_CONNECTIONS = DEFAULT_LIMITS.max_connections  # connections served at once (each is a thread)
+RETRY_AFTER_S = 1  # a full waiting queue's Retry-After: a slot frees as soon as any running request ends
 _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit numbers
 
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
@@ -64,6 +66,8 @@ REFUSALS = [
     (408, http_front.TIMED_OUT, "the request line, headers and body did not all arrive in time"),
     (503, BUSY_MESSAGE, "every connection is working on a request (idle ones are closed first)"),
     (503, LOADING, "a request before the weights are loaded"),
+    (503, QUEUE_FULL, "`--max-waiting-requests` requests already wait for a batch slot; the answer carries "
+                      "`Retry-After: 1`"),
     (404, NO_ROUTE, "any other method or path"),
 ]
 
@@ -161,56 +165,79 @@ class _Handler(FrontDoorHandler):
         if req.stream:
             self._stream(engine, req)
             return
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
+        try:
+            done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
+        except QueueFull as e:
+            self._queue_full(e)
+            return
         self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
+
+    def _queue_full(self, e: QueueFull) -> None:
+        """503 with Retry-After: the engine's waiting queue is full (--max-waiting-requests)."""
+        body = json.dumps(api.error_body(503, QUEUE_FULL.format(waiting=e.waiting, max=e.limit))).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Retry-After", str(RETRY_AFTER_S))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def _stream(self, engine, req: api.CompletionRequest) -> None:
         """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
-        finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
-        thread; a client that goes away stops the decoding at its next token."""
+        finish reason, the usage chunk if asked, then ``data: [DONE]``. This thread writes the
+        events as the engine loop hands it tokens (the loop itself never waits for a client); a
+        client that goes away leaves the batch before the next step. The 200 goes out with the
+        first event, so a full waiting queue can still be a 503."""
         cid, created, model = api.new_id(), int(time.time()), self.server.model_name
-        pieces: queue.Queue = queue.Queue()
         gone = threading.Event()
+        started = False
 
-        def run() -> None:
-            try:
-                pieces.put(("done", engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop,
-                                                    on_text=lambda piece: pieces.put(("text", piece)) or gone.is_set())))
-            except BaseException as e:  # reported below, on the request's thread
-                pieces.put(("error", e))
-
-        self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
-        threading.Thread(target=run, name="wcache-stream", daemon=True).start()
-        while True:
-            kind, item = pieces.get()
-            if kind == "text":
-                self._event(api.stream_chunk(cid, created, model, item), gone)
-                continue
-            if kind == "error":
+        def start() -> None:
+            nonlocal started
+            started = True
+            self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            if self.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
                 self.close_connection = True
-                log.error("A streamed completion failed: %s", item)
+                self.send_header("Connection", "close")
+            self.end_headers()
+
+        def on_text(piece: str) -> bool:
+            if not started:
+                start()
+            self._event(api.stream_chunk(cid, created, model, piece), gone)
+            return gone.is_set()
+
+        try:
+            item = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+        except QueueFull as e:
+            if not started:
+                self._queue_full(e)
                 return
-            self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
-            if req.include_usage:
-                self._event(api.usage_chunk(cid, created, model, item), gone)
-            self._event(api.DONE, gone)
-            if not gone.is_set() and self.chunked:
-                try:
-                    self.wfile.write(b"0\r\n\r\n")
-                except OSError:
-                    gone.set()
-            if gone.is_set():
-                self.close_connection = True
+            raise
+        except Exception as e:  # the engine failed: end the stream
+            self.close_connection = True
+            log.error("A streamed completion failed: %s", e)
+            if not started:
+                self._error(500, str(e)[:200])
             return
+        if not started:
+            start()
+        self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
+        if req.include_usage:
+            self._event(api.usage_chunk(cid, created, model, item), gone)
+        self._event(api.DONE, gone)
+        if not gone.is_set() and self.chunked:
+            try:
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                gone.set()
+        if gone.is_set():
+            self.close_connection = True
 
     def _event(self, payload, gone: threading.Event) -> None:
         if gone.is_set():
