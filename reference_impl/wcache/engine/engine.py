@@ -291,7 +291,8 @@ def rank_specs(args, loader_config):
         load_format=args.load_format, loader_config=loader_config, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_capacity=args.cpu_memory_capacity,
         enable_autotune=args.enable_autotune, draft=draft, init_method=plan.init_method,
-        backend="nccl" if base.device == "cuda" else "gloo")
+        backend="nccl" if base.device == "cuda" else "gloo", max_num_seqs=args.max_num_seqs,
+        max_waiting_requests=args.max_waiting_requests)
     model_flags = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
                    "device": base.device, "revision": args.revision}
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
