@@ -10,6 +10,7 @@ ranks (supervisor.py), load and size memory on every rank, then serve.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -43,6 +44,8 @@ KEEPALIVE_S = 60.0
 # Tokens a request's thread may fall behind the engine loop (a streaming client that stops reading,
 # once the socket's buffers are full) before the engine ends that request and frees its slot.
 STREAM_BUFFER_TOKENS = 256
+# Logged when the engine stops; the HTTP bench reads it (what the loop adds to the forward passes).
+STEP_STATS = "Engine steps (ms per step): {json}"
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ class StepStats:
 
     def as_json(self) -> dict:
         n = max(self.steps, 1)
-        return {"steps": self.steps, "tokens": self.tokens, "step_ms": 1e3 * self.step_s / n,
-                "forward_ms": 1e3 * self.forward_s / n, "overhead_ms": 1e3 * (self.step_s - self.forward_s) / n}
+        return {"steps": self.steps, "tokens": self.tokens, "step_ms": round(1e3 * self.step_s / n, 4),
+                "forward_ms": round(1e3 * self.forward_s / n, 4),
+                "overhead_ms": round(1e3 * (self.step_s - self.forward_s) / n, 4)}
 
 
 class Engine:
@@ -267,6 +271,8 @@ class Engine:
         for seq in self.scheduler.close():
             seq.outbox.put(_End("abort"))
         self._loop_thread.join(60.0)  # the step under way ends; then no other thread talks to the ranks
+        if self.stats.steps:
+            log.info(STEP_STATS.format(json=json.dumps(self.stats.as_json(), sort_keys=True)))
         try:
             self.runner.send_op(OP_STOP)
         except RuntimeError:
