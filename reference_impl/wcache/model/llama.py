@@ -136,14 +136,20 @@ class Attention(nn.Module):
         v = v.view(B, T, self.kv_heads, self.head_dim)
         # Each row writes its new keys and values at its own positions of its own cache slot.
         if batch.rows is not None:  # and attends over exactly its own keys: what it computes alone
+            group = self.heads // self.kv_heads
             outs = []
-            for b, (slot, end, mask) in enumerate(batch.rows):
-                cache_k[slot, end - T : end] = k[b]
-                cache_v[slot, end - T : end] = v[b]
+            for b, (slot, start) in enumerate(batch.rows):
+                end = start + T
+                cache_k[slot, start:end] = k[b]
+                cache_v[slot, start:end] = v[b]
+                keys = cache_k[slot, :end].repeat_interleave(group, dim=1)  # (end, heads, head_dim)
+                values = cache_v[slot, :end].repeat_interleave(group, dim=1)
+                # Query i (absolute position start + i) sees keys 0..start + i.
+                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
                 outs.append(F.scaled_dot_product_attention(
-                    q[b : b + 1].transpose(1, 2), cache_k[slot : slot + 1, :end].transpose(1, 2),
-                    cache_v[slot : slot + 1, :end].transpose(1, 2), attn_mask=mask, enable_gqa=True))
-            out = outs[0] if B == 1 else torch.cat(outs)  # (B, heads, T, head_dim)
+                    q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask))
+            out = (outs[0] if B == 1 else torch.stack(outs))  # (heads, T, head_dim) or (B, heads, T, head_dim)
+            out = out.view(B, self.heads, T, self.head_dim)
         else:
             cache_k[batch.slot_index, batch.positions] = k
             cache_v[batch.slot_index, batch.positions] = v
@@ -274,10 +280,7 @@ class Batch:
             self.positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
         self.rows = self.mask = None
         if torch.device(device).type == "cpu":
-            # Query i (absolute position start + i) sees keys 0..start + i; one new token sees them all.
-            self.rows = [(slot, s + T, None if T == 1 else
-                          torch.ones(T, s + T, dtype=torch.bool, device=device).tril(diagonal=s))
-                         for slot, s in zip(slots, starts)]
+            self.rows = list(zip(slots, starts))
             return
         self.length = max(starts) + T  # keys the longest row sees
         first = slots[0]
