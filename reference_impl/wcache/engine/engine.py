@@ -219,13 +219,13 @@ class Engine:
                 seq.spec[1] += r.accepted - before[1]
                 self._emit(seq, new)
         else:
-            for seq in step.joining:  # a joining request's prompt: a pass of its own (its first token)
-                if seq.slot < 0:
-                    continue
+            for group in prompt_groups([s for s in step.joining if s.slot >= 0], r.max_model_len):
+                # Joining requests' prompts (their first tokens): prompts of one length share a pass.
                 f0 = time.perf_counter()
-                logits = r.run(TARGET, [seq.slot], [0], [seq.prompt])
+                logits = r.run(TARGET, [s.slot for s in group], [0] * len(group), [s.prompt for s in group])
                 forward += time.perf_counter() - f0
-                self._emit(seq, [seq.sampler.pick(logits[0])])
+                for seq, row in zip(group, logits):
+                    self._emit(seq, [seq.sampler.pick(row)])
             rows = [s for s in rows if s.slot >= 0]
             batches = [[s] for s in rows] if self.row_by_row else [rows] if rows else []
             for batch in batches:  # one decode pass for every running sequence
@@ -279,6 +279,20 @@ class Engine:
             pass  # a worker already gone; the supervisor says which
         finally:  # the leases, and any hand-back offer, go whatever the world did
             self.runner.close()
+
+
+def prompt_groups(joining: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
+    """Joining sequences in passes: prompts of the same length together (a pass's rows have one
+    length), at most ``max_tokens`` prompt tokens and header entries per pass, so no pass needs
+    more activation memory than the longest prompt the memory plan measured, or a longer header."""
+    by_length: dict[int, list[Sequence]] = {}
+    for seq in joining:
+        by_length.setdefault(len(seq.prompt), []).append(seq)
+    out = []
+    for length, seqs in by_length.items():
+        per_pass = max(1, (max_tokens + 2) // (length + 2))
+        out += [seqs[i : i + per_pass] for i in range(0, len(seqs), per_pass)]
+    return out
 
 
 def rank_specs(args, loader_config):

@@ -135,21 +135,29 @@ class Attention(nn.Module):
         k = rope.apply(k.view(B, T, self.kv_heads, self.head_dim), cos, sin)  # (B, T, kv_heads, head_dim)
         v = v.view(B, T, self.kv_heads, self.head_dim)
         # Each row writes its new keys and values at its own positions of its own cache slot.
-        if batch.rows is not None:  # and attends over exactly its own keys: what it computes alone
-            group = self.heads // self.kv_heads
+        if batch.groups is not None:  # CPU, one new token per row: padded keys, one call per padded length
+            for b, (slot, start) in enumerate(batch.rows):
+                cache_k[slot, start] = k[b, 0]
+                cache_v[slot, start] = v[b, 0]
+            out = torch.empty(B, self.heads, T, self.head_dim, dtype=q.dtype, device=x.device)
+            for rows, slots, length in batch.groups:
+                out[rows] = F.scaled_dot_product_attention(
+                    q[rows].transpose(1, 2), cache_k[slots, :length].transpose(1, 2),
+                    cache_v[slots, :length].transpose(1, 2), attn_mask=batch.mask[rows, :, :, :length],
+                    enable_gqa=True)  # (G, heads, 1, head_dim)
+        elif batch.rows is not None:  # CPU, a prompt (or a verification) of one sequence: its own keys
             outs = []
             for b, (slot, start) in enumerate(batch.rows):
                 end = start + T
                 cache_k[slot, start:end] = k[b]
                 cache_v[slot, start:end] = v[b]
-                keys = cache_k[slot, :end].repeat_interleave(group, dim=1)  # (end, heads, head_dim)
-                values = cache_v[slot, :end].repeat_interleave(group, dim=1)
-                # Query i (absolute position start + i) sees keys 0..start + i.
+                # Query i (absolute position start + i) sees keys 0..start + i; built here, not held
+                # across layers, so the activation peak of a long prompt stays what it was.
                 mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
                 outs.append(F.scaled_dot_product_attention(
-                    q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask))
-            out = (outs[0] if B == 1 else torch.stack(outs))  # (heads, T, head_dim) or (B, heads, T, head_dim)
-            out = out.view(B, self.heads, T, self.head_dim)
+                    q[b].transpose(0, 1), cache_k[slot, :end].transpose(0, 1), cache_v[slot, :end].transpose(0, 1),
+                    attn_mask=mask, enable_gqa=True))  # (heads, T, head_dim)
+            out = (outs[0] if B == 1 else torch.stack(outs)).view(B, self.heads, T, self.head_dim)
         else:
             cache_k[batch.slot_index, batch.positions] = k
             cache_v[batch.slot_index, batch.positions] = v
@@ -248,7 +256,8 @@ class Llama(nn.Module):
         else:
             T = x.numel() // (B * s.hidden_size)
             x = x.view(B * T, s.hidden_size)
-        batch = Batch(starts, T, list(range(B)) if slots is None else list(slots), x.device)
+        slot_len = cache[0][0].shape[1] if cache else 0  # positions per cache slot
+        batch = Batch(starts, T, list(range(B)) if slots is None else list(slots), x.device, slot_len)
         cos, sin = rope.cos_sin(batch.positions, s.rope, s.head_dim, self.dtype)  # (B, T, head_dim)
         for block, (ck, cv) in zip(self.layers.values(), cache):
             x = block(x, cos, sin, ck, cv, batch)
@@ -262,6 +271,9 @@ class Llama(nn.Module):
         return logits[0] if one else logits
 
 
+PAD = 64  # CPU attention: keys padded to a multiple of this, whatever else is in the batch
+
+
 class Batch:
     """Where a forward pass's rows are: positions, cache slots, and how attention reads them.
 
@@ -272,15 +284,28 @@ class Batch:
     would differ in the last bits from the same sequence alone, and a batch must not change any
     request's tokens (the matrix products are batch-invariant in bfloat16, see engine.py)."""
 
-    def __init__(self, starts: list[int], T: int, slots: list[int], device):
+    def __init__(self, starts: list[int], T: int, slots: list[int], device, slot_len: int = 0):
         self.size, self.tokens = len(starts), T
         if len(starts) == 1:
             self.positions = torch.arange(starts[0], starts[0] + T, device=device)[None]  # (1, T)
         else:
             self.positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
-        self.rows = self.mask = None
+        self.rows = self.groups = self.mask = None
         if torch.device(device).type == "cpu":
             self.rows = list(zip(slots, starts))
+            if T == 1:
+                # A decoding row's keys are padded to a length that depends on that row alone (its end
+                # rounded up to PAD, at most the slot), and the rows of one padded length attend in one call: the CPU
+                # kernel's sums then run the same whatever else is in the batch.
+                padded = [min(-(-(s + 1) // PAD) * PAD, slot_len) for s in starts]
+                keys = torch.arange(max(padded), device=device)
+                self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, 1, L)
+                groups: dict[int, list[int]] = {}
+                for b, length in enumerate(padded):
+                    groups.setdefault(length, []).append(b)
+                self.groups = [(torch.tensor(rows, device=device),
+                                torch.tensor([slots[b] for b in rows], device=device), length)
+                               for length, rows in groups.items()]
             return
         self.length = max(starts) + T  # keys the longest row sees
         first = slots[0]
