@@ -136,9 +136,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.kv_heads, self.head_dim)
         # Each row writes its new keys and values at its own positions of its own cache slot.
         if batch.groups is not None:  # CPU, one new token per row: padded keys, one call per padded length
-            for b, (slot, start) in enumerate(batch.rows):
-                cache_k[slot, start] = k[b, 0]
-                cache_v[slot, start] = v[b, 0]
+            cache_k[batch.slot_index, batch.positions] = k  # (B, 1) slots x (B, 1) positions: one write
+            cache_v[batch.slot_index, batch.positions] = v
             out = torch.empty(B, self.heads, T, self.head_dim, dtype=q.dtype, device=x.device)
             for rows, slots, length in batch.groups:
                 out[rows] = F.scaled_dot_product_attention(
@@ -303,6 +302,7 @@ class Batch:
                 groups: dict[int, list[int]] = {}
                 for b, length in enumerate(padded):
                     groups.setdefault(length, []).append(b)
+                self.slot_index = torch.tensor(slots, device=device)[:, None]  # (B, 1)
                 self.groups = [(torch.tensor(rows, device=device),
                                 torch.tensor([slots[b] for b in rows], device=device), length)
                                for length, rows in groups.items()]
