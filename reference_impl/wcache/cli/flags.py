@@ -28,15 +28,21 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights: the same seed, the same bytes")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the stored weights")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
+                   help="fp8: store every decoder projection block-wise in FP8 as transformers does (float8_e4m3fn "
+                        "weights, float32 weight_scale_inv per block, quantization_config in config.json)")
+    p.add_argument("--weight-block-size", type=_positive, default=None, metavar="N",
+                   help="FP8 block of N x N weights (default: 128; 32 for the tiny and tensors-10k presets, "
+                        "whose heads are 32 wide)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from wcache.core.config import DTYPE_CHOICES
-    from wcache.model.quant import METHODS
+    from wcache.model.quant import CHOICES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
-    p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
+    p.add_argument("--quantization", "-q", default=None, choices=CHOICES,
                    help="quantization method; default: the checkpoint's quantization_config, else none")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto picks cuda when available")
@@ -150,6 +156,45 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
                    help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                         "e.g. 8GiB (default: the host's physical memory)")
+    add_http_args(p)
+
+
+def add_http_args(p) -> None:
+    """The HTTP server's operation: its completion limit, its request log and its SIGTERM drain
+    (engine/http_front.py, access_log.py, drain.py; docs/lifecycle.md says why these defaults)."""
+    g = p.add_argument_group("HTTP server and shutdown")
+    g.add_argument("--max-concurrent-connections", type=_count, default=64, metavar="N",
+                   help="connections working on a request at once (completions, models); past it a 503. "
+                        "/health, /metrics and /version are answered apart from this limit")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not write the one-line access log per request (request id, method, path, status, "
+                        "tokens, time to first token, total time), at INFO on wcache.access")
+    g.add_argument("--shutdown-delay", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="after SIGTERM, keep accepting this long (/health answers 503 from the start) so load "
+                        "balancers withdraw the endpoint first")
+    g.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="then drain in-flight requests for up to this long; what still runs ends with an error "
+                        "and the engine exits 0")
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return v
 
 
 def add_preload_command_args(p) -> None:
@@ -195,10 +240,19 @@ def add_preload_args(p) -> None:
                         "local rank, in local rank order")
 
 
+def _quantization_choices() -> list[str]:
+    from wcache.model.quant import CHOICES
+
+    return CHOICES
+
+
 def add_bench_args(p) -> None:
     p.add_argument("--model", required=True, help="model directory to time")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto picks cuda when available")
     p.add_argument("--dtype", default="auto", help="as serve's --dtype")
+    p.add_argument("--quantization", "-q", default=None, choices=_quantization_choices(),
+                   help="as serve's --quantization, for the daemon and every engine (e.g. fp8: the daemon "
+                        "quantizes once, a disk start quantizes on every start)")
     p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
                    help="the daemon's --weight-cache-transport (CUDA only)")
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
@@ -207,6 +261,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--respawn", action="store_true",
                    help="instead: kill the serving worker of `wcache serve --respawn` under a steady client, "
                         "against a fresh `wcache serve` from disk (bench_respawn.py)")
+    p.add_argument("--health-under-load", action="store_true",
+                   help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
+                        "connections are held open and 16 streams run (bench/health.py)")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:
