@@ -237,7 +237,7 @@ class RankRunner:
         flat = [t for row in tokens for t in row]
         lf = -1 if logits_from is None else logits_from
         self.world.send_step([OP_FORWARD, model, len(slots), T, lf, *slots, *starts, *flat], self.header_len)
-        return self._forward(model, slots, starts, flat, T, lf)
+        return self.forward(model, slots, starts, flat, T, lf)
 
     def send_op(self, op: int) -> None:
         """Rank 0: OP_STOP or OP_KEEPALIVE to the other ranks."""
@@ -255,10 +255,10 @@ class RankRunner:
             model, B, T, lf = h[1:5]
             slots, starts = h[HEADER_FIXED : HEADER_FIXED + B], h[HEADER_FIXED + B : HEADER_FIXED + 2 * B]
             base = HEADER_FIXED + 2 * B
-            self._forward(model, slots, starts, h[base : base + B * T], T, lf)
+            self.forward(model, slots, starts, h[base : base + B * T], T, lf)
 
     @torch.inference_mode()
-    def _forward(self, model_id: int, slots: list[int], starts: list[int], tokens: list[int], T: int, lf: int):
+    def forward(self, model_id: int, slots: list[int], starts: list[int], tokens: list[int], T: int, lf: int):
         """This rank's part of one pass. Stages pass hidden states down the pipeline; the last
         stage's first rank sends the logits to rank 0. Returns the logits on rank 0, else None."""
         model, cache = (self.model, self.kv_cache) if model_id == TARGET else (self.draft, self.draft_cache)
