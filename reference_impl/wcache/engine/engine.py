@@ -92,11 +92,12 @@ class Engine:
     def has_draft(self) -> bool:
         return self.runner.draft is not None
 
-    def generate(self, prompt: str, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
+    def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
                  on_text=None) -> Completion:
-        """One completion. ``on_text(piece) -> bool`` is told each new piece of final text as it is
-        decoded (textstream.py) and returns True to stop early (a streaming client went away)."""
-        ids = tokenizer.encode(prompt)
+        """One completion of a text, or of token ids used as they are (no BOS added). ``on_text(piece)
+        -> bool`` is told each new piece of final text as it is decoded (textstream.py) and returns
+        True to stop early (a streaming client went away)."""
+        ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
         text = TextStream(stop)
         sampling = sampling.seeded()  # every rank draws with the same seed
         gone = False
@@ -172,9 +173,11 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     (``answer_while_loading=False``) and reports readiness with ``on_ready``.
     """
     from wcache.engine.server import EngineServer, run_until_signal
+    from wcache.engine.served import ServedModel
     from wcache.engine.supervisor import Supervisor
 
     plan, specs = rank_specs(args, loader_config)
+    served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
     runner = RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
@@ -182,7 +185,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     server = None
     if plan.drives and answer_while_loading:
         # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer((args.host, args.port), None, args.model, sock=sock)
+        server = EngineServer((args.host, args.port), None, served, sock=sock)
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
     supervisor = Supervisor(specs[1:], server)
@@ -210,7 +213,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         supervisor.stop()
 
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
-        server = EngineServer((args.host, args.port), engine, args.model, sock=sock)
+        server = EngineServer((args.host, args.port), engine, served, sock=sock)
     server.engine, server.ready = engine, True
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
     if on_ready is not None:

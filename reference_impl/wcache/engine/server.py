@@ -3,9 +3,12 @@
 | Route | Answer |
 | --- | --- |
 | ``GET /health`` | 200 once weights are bound, 503 while they load |
-| ``GET /v1/models`` | the served model, in vLLM's shape |
+| ``GET /v1/models`` | the served names, in vLLM's shape |
+| ``GET /v1/models/{id}`` | one served name's card, or a 404 |
 | ``POST /v1/completions`` | a completion, or with ``"stream": true`` server-sent events |
-| ``POST /v1/chat/completions`` | refused as vLLM refuses a model without a chat template |
+| ``POST /v1/chat/completions`` | a chat completion (chat.py), streamed or not |
+
+With an API key (auth.py), every ``/v1/`` route first answers 401 to a request without it.
 
 A body is read only with a valid, bounded Content-Length and under the request's deadline; any
 JSON the parser refuses (a lone surrogate, nesting past the stack, an integer past the digit limit)
@@ -17,15 +20,16 @@ it binds or on a listening socket it is handed (``sock=``).
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import signal
 import threading
 import time
+from urllib.parse import unquote
 
-from wcache.engine import http_front
+from wcache.engine import chat, fanout, http_front
 from wcache.engine import openai_api as api
-from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE
+from wcache.engine.served import ServedModel
+from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE, API_KEY_MISSING, API_KEY_WRONG
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
 log = logging.getLogger("wcache.server")
@@ -42,19 +46,23 @@ _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit number
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
     ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
-    ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
-                           "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
-    ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
-                                 "with `\"stream\": true`, server-sent events",
-    ("POST", "/v1/chat/completions"): "400: the byte-level tokenizer has no chat template (vLLM's answer for such a "
-                                      "model); an unknown `model` is a 404 first",
+    ("GET", "/v1/models"): "a card per served name (`--served-model-name`, default the model directory as given) "
+                           "in vLLM's shape: `id`, `object`, `created`, `owned_by` (`wcache`), `root` (the model "
+                           "directory), `parent`, `max_model_len`",
+    ("GET", "/v1/models/{id}"): "the card of one served name (URL-encoded), or a 404",
+    ("POST", "/v1/completions"): "a completion in vLLM's shape, a choice per prompt (each adds `token_ids` and "
+                                 "`stop_reason`); with `\"stream\": true`, server-sent events",
+    ("POST", "/v1/chat/completions"): "a chat completion in vLLM's shape (`chat.completion`, `choices[0].message`); "
+                                      "with `\"stream\": true`, server-sent `chat.completion.chunk` events",
 }
 # Every refusal the routes and the front door give: (status, message, when); the type is the status's.
 REFUSALS = [
     (400, api.UNKNOWN_FIELD, "a field the table above does not list"),
     (400, api.REFUSED_FIELD, "a refused field with anything but its neutral value"),
-    (404, api.MODEL_NOT_FOUND, "`model` is not the served model's name"),
-    (400, api.NO_CHAT_TEMPLATE, "any `POST /v1/chat/completions`"),
+    (404, api.MODEL_NOT_FOUND, "`model` (or `GET /v1/models/{id}`) is not a served name"),
+    (400, api.NO_CHAT_TEMPLATE, "a `POST /v1/chat/completions` when the engine has no chat template"),
+    (401, API_KEY_MISSING, "with an API key set: a `/v1/` request without `Authorization: Bearer`"),
+    (401, API_KEY_WRONG, "with an API key set: a `/v1/` request with another key"),
     (400, api.NOT_JSON, "the body is not JSON (bad UTF-8, a lone surrogate, nesting too deep)"),
     (400, http_front.BOTH_FRAMINGS, "`Transfer-Encoding` and `Content-Length` together"),
     (400, http_front.MANY_LENGTHS, "two `Content-Length` headers, or a list of lengths"),
@@ -71,9 +79,10 @@ __all__ = ["EngineServer", "run_until_signal", "BUSY_MESSAGE", "Limits"]
 
 
 class EngineServer(FrontDoorServer):
-    def __init__(self, address, engine, model_name: str, limits: Limits = DEFAULT_LIMITS, sock=None):
+    def __init__(self, address, engine, model_name: str | ServedModel, limits: Limits = DEFAULT_LIMITS, sock=None):
         self.engine = engine
-        self.model_name = model_name
+        self.served = ServedModel.of(model_name)  # names, chat template, API keys
+        self.model_name = self.served.name
         self.ready = engine is not None
         self.created = int(time.time())
         super().__init__(address, _Handler, limits, sock)
@@ -88,17 +97,35 @@ class _Handler(FrontDoorHandler):
     def _error(self, status: int, message: str, param: str | None = None) -> None:
         self.send_json(status, api.error_body(status, message, param))
 
-    def do_GET(self):
+    def _unauthorized(self) -> bool:
+        """A 401 (the body, if any, unread) for a /v1/ request without the API key; never logs a key."""
+        why = self.server.served.api_keys.refusal(self.path.split("?", 1)[0], self.headers.get("Authorization"))
+        if why is None:
+            return False
+        self.close_connection = True
         self.begin_answer()
+        self._error(401, why)
+        return True
+
+    def do_GET(self):
+        if self._unauthorized():
+            return
+        self.begin_answer()
+        served, path = self.server.served, self.path.split("?", 1)[0]
+        max_model_len = self.server.engine.max_model_len if self.server.ready else None
         if self.path == "/health":
             if self.server.ready:
                 self.send_json(200, {"status": "ok"})
             else:
                 self.send_json(503, {"status": "loading"})
-        elif self.path == "/v1/models":
-            engine = self.server.engine if self.server.ready else None
-            self.send_json(200, api.models_body(self.server.model_name, self.server.created,
-                                                engine.max_model_len if engine is not None else None))
+        elif path == "/v1/models":
+            self.send_json(200, api.models_body(served.names, self.server.created, max_model_len, served.root))
+        elif path.startswith("/v1/models/"):
+            name = unquote(path[len("/v1/models/"):])
+            if name in served.names:
+                self.send_json(200, api.model_card(name, served.root, self.server.created, max_model_len))
+            else:
+                self._error(404, api.MODEL_NOT_FOUND.format(model=name[:256]), "model")
         else:
             self._error(404, NO_ROUTE.format(method="GET", path=self.path[:200]))
 
@@ -136,6 +163,8 @@ class _Handler(FrontDoorHandler):
             pass
 
     def do_POST(self):
+        if self._unauthorized():
+            return
         if ("POST", self.path) not in ROUTES:
             self.close_connection = True  # its body is not read
             self.begin_answer()
@@ -148,36 +177,33 @@ class _Handler(FrontDoorHandler):
         if not self.server.ready:
             self._error(503, LOADING)
             return
+        engine, served = self.server.engine, self.server.served
         try:
             if self.path == "/v1/chat/completions":
-                req = api.parse_json_object(body)
-                api.check_model(req, self.server.model_name)
-                raise api.ApiError(400, api.NO_CHAT_TEMPLATE)
-            engine = self.server.engine
-            req = api.parse_completion_request(body, engine.max_model_len, self.server.model_name, engine.has_draft)
+                req = chat.parse_chat_request(body, served.chat_template, engine.max_model_len, served.names,
+                                              engine.has_draft)
+                prompts = [req.prompt]
+            else:
+                req = api.parse_completion_request(body, engine.max_model_len, served.names, engine.has_draft,
+                                                   engine.cfg.hf.get("vocab_size"))
+                prompts = list(req.prompts)
         except api.ApiError as e:
             self.send_json(e.status, e.body())
             return
+        is_chat = self.path == "/v1/chat/completions"
         if req.stream:
-            self._stream(engine, req)
+            events = (chat.ChatStream if is_chat else api.CompletionStream)(served.name, req.include_usage)
+            self._stream(engine, prompts, req, events)
             return
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
-        self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
+        done = fanout.run_all(engine, prompts, req)
+        self.send_json(200, chat.chat_body(chat.new_id(), served.name, done[0]) if is_chat
+                       else api.completion_body(api.new_id(), served.name, done))
 
-    def _stream(self, engine, req: api.CompletionRequest) -> None:
-        """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
-        finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
-        thread; a client that goes away stops the decoding at its next token."""
-        cid, created, model = api.new_id(), int(time.time()), self.server.model_name
-        pieces: queue.Queue = queue.Queue()
+    def _stream(self, engine, prompts: list, req, events) -> None:
+        """Server-sent events, as vLLM sends them (``events`` says which: openai_api.CompletionStream,
+        chat.ChatStream). The engine decodes on other threads (fanout.py); a client that goes away
+        stops the decoding at its next token."""
         gone = threading.Event()
-
-        def run() -> None:
-            try:
-                pieces.put(("done", engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop,
-                                                    on_text=lambda piece: pieces.put(("text", piece)) or gone.is_set())))
-            except BaseException as e:  # reported below, on the request's thread
-                pieces.put(("error", e))
 
         self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
         self.send_response(200)
@@ -189,28 +215,27 @@ class _Handler(FrontDoorHandler):
             self.close_connection = True
             self.send_header("Connection", "close")
         self.end_headers()
-        threading.Thread(target=run, name="wcache-stream", daemon=True).start()
-        while True:
-            kind, item = pieces.get()
-            if kind == "text":
-                self._event(api.stream_chunk(cid, created, model, item), gone)
-                continue
+        done: list = [None] * len(prompts)
+        for payload in events.first():
+            self._event(payload, gone)
+        for kind, i, item in fanout.stream(engine, prompts, req, gone):
             if kind == "error":
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
                 return
-            self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
-            if req.include_usage:
-                self._event(api.usage_chunk(cid, created, model, item), gone)
-            self._event(api.DONE, gone)
-            if not gone.is_set() and self.chunked:
-                try:
-                    self.wfile.write(b"0\r\n\r\n")
-                except OSError:
-                    gone.set()
-            if gone.is_set():
-                self.close_connection = True
-            return
+            if kind == "done":
+                done[i] = item
+            for payload in (events.text(i, item) if kind == "text" else events.done(i, item)):
+                self._event(payload, gone)
+        for payload in events.last(done):
+            self._event(payload, gone)
+        if not gone.is_set() and self.chunked:
+            try:
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                gone.set()
+        if gone.is_set():
+            self.close_connection = True
 
     def _event(self, payload, gone: threading.Event) -> None:
         if gone.is_set():
