@@ -46,7 +46,8 @@ CHAT_FIELDS: dict[str, Field] = {
                                          "the assistant's reply begins)"),
     "add_special_tokens": Field(True, "vLLM's: `true` puts BOS before the rendered prompt (default `false`: "
                                       "the template writes its own)"),
-    "chat_template_kwargs": Field(True, "vLLM's: an object of extra variables for the template"),
+    "chat_template_kwargs": Field(True, "vLLM's: an object of extra variables for the template (not "
+                                        "`messages`, `add_generation_prompt`, `bos_token` or `eos_token`)"),
     "n": Field(False, "one choice per request", (None, 1)),
     "logprobs": Field(False, "log-probabilities are not returned", (None, False)),
     "top_logprobs": Field(False, "log-probabilities are not returned", (None, 0)),

@@ -39,7 +39,7 @@ class Field:
 
 
 COMPLETION_FIELDS: dict[str, Field] = {
-    "model": Field(True, "the served model's name, as `GET /v1/models` lists it (optional; another name is a 404)"),
+    "model": Field(True, "one of the served names, as `GET /v1/models` lists them (optional; another name is a 404)"),
     "prompt": Field(True, "a non-empty string (the tokenizer is byte-level: one token per UTF-8 byte, plus BOS), a "
                           "list of token ids (used as they are, no BOS added), or a list of up to "
                           f"{MAX_PROMPTS} of either: one choice per prompt, its `index` the prompt's place"),
