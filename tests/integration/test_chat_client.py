@@ -11,6 +11,7 @@ import openai
 import pytest
 from procs import _healthy, free_port, http
 
+from wcache import errors
 from wcache.core.checkpoint import CHAT_TEMPLATE
 from wcache.engine.chat_template import ChatTemplate
 
@@ -208,3 +209,15 @@ def test_the_flag_wins_over_the_variable_and_a_template_flag_over_the_checkpoint
     env_client = openai.OpenAI(base_url=f"http://127.0.0.1:{e.port}/v1", api_key="env-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         env_client.models.list()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--api-key", ""], errors.API_KEY_EMPTY),
+    (["--chat-template", "no-such.jinja"], errors.CHAT_TEMPLATE_FILE.format(
+        value="no-such.jinja", reason="[Errno 2] No such file or directory: 'no-such.jinja'")),
+    (["--chat-template", "{% for %}"], "The chat template from --chat-template (inline) is not valid Jinja (line 1): "),
+])
+def test_bad_api_flags_stop_serve_before_loading(procs, tiny_model, flags, message):
+    p = procs.serve(tiny_model, *flags, ready=False)
+    assert p.exit_code() == 2
+    assert message in p.log() and "Loaded" not in p.log()
