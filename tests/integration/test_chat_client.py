@@ -191,7 +191,8 @@ def test_the_key_is_never_logged_nor_in_ps(engine, client):
 
 def test_the_flag_wins_over_the_variable_and_a_template_flag_over_the_checkpoints(procs, tiny_model, tmp_path):
     """--api-key and --chat-template (a file) on another engine, with VLLM_API_KEY set too."""
-    (tmp_path / "t.jinja").write_text("{{ bos_token }}{{ extra | default('') }}"
+    (tmp_path / "t.jinja").write_text("{% if extra == 'boom' %}{{ raise_exception('boom: ' + extra) }}{% endif %}"
+                                      "{{ bos_token }}{{ extra | default('') }}"
                                       "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     e = procs.serve(tiny_model, "--max-model-len", "32", "--no-enable-autotune", "--api-key", "flag-key",
                     "--chat-template", str(tmp_path / "t.jinja"), env={"VLLM_API_KEY": "env-key"}, ready=True)
@@ -206,6 +207,10 @@ def test_the_flag_wins_over_the_variable_and_a_template_flag_over_the_checkpoint
         c.chat.completions.create(model=str(tiny_model), messages=HELLO, extra_body={"chat_template_kwargs": {
             "messages": []}})
     assert bad.value.body["message"].startswith("'chat_template_kwargs' must be an object whose keys are not")
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model=str(tiny_model), messages=HELLO, extra_body={"chat_template_kwargs": {
+            "extra": "boom"}})
+    assert bad.value.body["message"] == "The chat template could not render these messages: boom: boom"
     env_client = openai.OpenAI(base_url=f"http://127.0.0.1:{e.port}/v1", api_key="env-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         env_client.models.list()
