@@ -208,7 +208,6 @@ class _Handler(FrontDoorHandler):
         chat.ChatStream). The engine decodes on other threads (fanout.py); a client that goes away
         stops the decoding at its next token."""
         gone = threading.Event()
-
         self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
