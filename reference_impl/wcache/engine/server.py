@@ -206,26 +206,37 @@ class _Handler(FrontDoorHandler):
     def _stream(self, engine, prompts: list, req, events) -> None:
         """Server-sent events, as vLLM sends them (``events`` says which: openai_api.CompletionStream,
         chat.ChatStream). The engine decodes on other threads (fanout.py); a client that goes away
-        stops the decoding at its next token."""
+        stops the decoding at its next token. The 200 goes out with the first event, so an engine
+        that fails before its first token still answers with an error status."""
         gone = threading.Event()
-        self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
+        started = False
+
+        def start() -> None:
+            nonlocal started
+            started = True
+            self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            if self.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.close_connection = True
+                self.send_header("Connection", "close")
+            self.end_headers()
+            for payload in events.first():
+                self._event(payload, gone)
+
         done: list = [None] * len(prompts)
-        for payload in events.first():
-            self._event(payload, gone)
         for kind, i, item in fanout.stream(engine, prompts, req, gone):
             if kind == "error":
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
+                if not started:
+                    self._error(500, str(item)[:200])
                 return
+            if not started:
+                start()
             if kind == "done":
                 done[i] = item
             for payload in (events.text(i, item) if kind == "text" else events.done(i, item)):
