@@ -30,6 +30,8 @@ from pathlib import Path
 
 import sentence_model
 
+from wcache.bench.api import healthy
+
 PRESET = "small"
 RANDOM_TOKENS = 12
 # The engines size their KV cache for this many tokens: the prompt and the answer need far fewer
@@ -65,14 +67,6 @@ def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 300.
         if proc.poll() is not None or time.monotonic() > deadline:
             sys.exit(f"demo: process failed; its log:\n{log.read_text()}")
         time.sleep(0.1)
-
-
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def complete(port: int, prompt: str, max_tokens: int) -> dict:

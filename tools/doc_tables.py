@@ -14,7 +14,8 @@ Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache prel
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
 field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
 ``serve-fields``, ``chat-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
-``openai_api`` / ``http_front``) and the benchmark tables of ``tools/plot_bench.py``.
+``openai_api`` / ``chat`` / ``http_front``) and the benchmark tables of ``tools/bench_tables.py``,
+``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_records
+import bench_tables
+import gpu_logs
 import headline
+import matrix_tables
 import plot_bench
 import respawn_tables
 
@@ -216,14 +221,14 @@ def http_limits() -> str:
     return "\n".join(out)
 
 
-def streaming_records(bench_dir: Path = plot_bench.BENCH_DIR) -> list[tuple[Path, dict]]:
-    """``python -m wcache.bench_http`` records (concurrent streaming clients), in file-name order."""
-    from wcache.bench_http import RECORD_KEY
+def streaming_records(bench_dir: Path = bench_records.BENCH_DIR) -> list[tuple[Path, dict]]:
+    """``python -m wcache.bench.streaming`` records (concurrent streaming clients), in file-name order."""
+    from wcache.bench.streaming import RECORD_KEY
 
-    return plot_bench._records(RECORD_KEY, bench_dir)
+    return bench_records.records(RECORD_KEY, bench_dir)
 
 
-def http_streaming(bench_dir: Path = plot_bench.BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
     """docs/benchmarks.md's streaming table: one row per published record."""
     rows = ["| Clients | Tokens each | Complete | Refused | First token p50 | First token p99 | Request p99 | "
             "All done | Machine | Record |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -246,22 +251,22 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "preload-flags": preload_flags,
     "serve-flags": serve_flags,
     "checkpoint-refusals": checkpoint_refusals,
-    "bench-table": plot_bench.bench_table,
-    "bench-table-older": plot_bench.bench_table_older,
-    "bench-keys": plot_bench.bench_keys_table,
-    "bench-phases": plot_bench.phases_table,
-    "bench-targets": plot_bench.targets_table,
-    "bench-runs": plot_bench.runs_table,
-    "bench-start": plot_bench.engine_start_table,
-    "bench-handback": plot_bench.handback_table,
-    "bench-handback-phases": plot_bench.handback_phases_table,
-    "bench-standby": plot_bench.standby_table,
-    "bench-copy-phases": plot_bench.copy_phases_table,
-    "transports-handoff": plot_bench.transports_table,
-    "transports-phases": plot_bench.transports_phases,
-    "ns-matrix": plot_bench.matrix_table,
-    "ns-matrix-runs": plot_bench.matrix_runs,
-    "gpu-tests-summary": plot_bench.gpu_tests_summary,
+    "bench-table": bench_tables.bench_table,
+    "bench-table-older": bench_tables.bench_table_older,
+    "bench-keys": bench_tables.bench_keys_table,
+    "bench-phases": bench_tables.phases_table,
+    "bench-targets": bench_tables.targets_table,
+    "bench-runs": bench_tables.runs_table,
+    "bench-start": bench_tables.engine_start_table,
+    "bench-handback": bench_tables.handback_table,
+    "bench-handback-phases": bench_tables.handback_phases_table,
+    "bench-standby": bench_tables.standby_table,
+    "bench-copy-phases": bench_tables.copy_phases_table,
+    "transports-handoff": bench_tables.transports_table,
+    "transports-phases": bench_tables.transports_phases,
+    "ns-matrix": matrix_tables.matrix_table,
+    "ns-matrix-runs": matrix_tables.matrix_runs,
+    "gpu-tests-summary": gpu_logs.gpu_tests_summary,
     "bench-respawn": respawn_tables.respawn_table,
     "respawn-memory": respawn_tables.respawn_memory,
     "headline": headline.headline,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from plot_bench import BENCH_DIR, fresh_records
+from bench_records import BENCH_DIR, fresh_records
 from respawn_tables import respawn_records
 
 GPU_RECORD = "-h200-llama-8b-vmm_fd.json"  # the headline's model and transport, on the GPU

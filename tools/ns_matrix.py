@@ -24,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from wcache.bench.api import healthy
+
 # A "container": own PID namespace (with its own /proc), own IPC namespace, own mount namespace
 # with a private /dev/shm.
 CONTAINER = "unshare --pid --fork --kill-child --mount-proc --ipc --mount bash -c 'mount -t tmpfs tmpfs /dev/shm && exec \"$0\" \"$@\"'"
@@ -43,14 +45,6 @@ CASES = [
     ("engine without CAP_SYS_PTRACE (docker's default)", "", NO_PTRACE),
     ("daemon root, engine uid 1000 (different users)", "", NON_ROOT),
 ]
-
-
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def run_case(name, d_wrap, e_wrap, args, work: Path, port: int) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from plot_bench import BENCH_DIR, NO_RECORD, fmt_bytes, fmt_ratio, fmt_seconds
+from bench_records import BENCH_DIR, NO_RECORD, fmt_bytes, fmt_ratio, fmt_seconds
 
 
 def respawn_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:

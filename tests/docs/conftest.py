@@ -1,5 +1,5 @@
 """Docs tests: the block runner is the package tools/docs_runner (imported from the repository root);
-test_tables imports tools/doc_tables.py and tools/plot_bench.py as top-level modules."""
+test_tables imports tools/doc_tables.py, tools/plot_bench.py and the other tools as top-level modules."""
 
 import sys
 from pathlib import Path

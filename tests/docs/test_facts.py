@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from wcache.daemon import rank
-from wcache.wait import DEFAULT_TIMEOUT_S
+from wcache.cli.flags import DEFAULT_TIMEOUT_S
 from wcache.wire import protocol
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-import plot_bench  # noqa: E402
+import bench_records  # noqa: E402
+import bench_tables  # noqa: E402
 
 PAGE = ROOT / "docs" / "gpu-transports.md"
 BENCH = ROOT / "docs" / "benchmarks"
@@ -44,7 +45,7 @@ def prose(text: str) -> str:
 
 
 def newest() -> dict:
-    return {plot_bench.transport_of(p, d): (p, d) for p, d in plot_bench._newest_per_transport("llama-8b", BENCH)}
+    return {bench_records.transport_of(p, d): (p, d) for p, d in bench_tables._newest_per_transport("llama-8b", BENCH)}
 
 
 def test_the_tables_show_the_newest_record_of_each_transport_and_its_sampling():
@@ -54,14 +55,14 @@ def test_the_tables_show_the_newest_record_of_each_transport_and_its_sampling():
     for t, (path, d) in recs.items():
         assert d["environment"]["device"] == "cuda" and d["model"]["tensors"] == 195
         row = next(line for line in text.splitlines() if line.startswith(f"| `{t}` | ") and path.name in line)
-        assert plot_bench.sampling_label(d) in row
-    assert plot_bench.transports_table() in text and plot_bench.transports_phases() in text
+        assert bench_records.sampling_label(d) in row
+    assert bench_tables.transports_table() in text and bench_tables.transports_phases() in text
 
 
 def test_the_prose_quotes_only_the_models_size_from_the_records():
     _, d = newest()["vmm_fd"]
     found = FIGURE.findall(prose(page()))
-    assert found == [plot_bench.fmt_bytes(d["model"]["bytes"])]
+    assert found == [bench_records.fmt_bytes(d["model"]["bytes"])]
     assert f"{d['model']['tensors']} tensors" in page()
 
 

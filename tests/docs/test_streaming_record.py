@@ -1,4 +1,4 @@
-"""The streaming-clients record(s) in docs/benchmarks/ (``python -m wcache.bench_http``): fit to
+"""The streaming-clients record(s) in docs/benchmarks/ (``python -m wcache.bench.streaming``): fit to
 publish, and shown on docs/benchmarks.md as they are. docs/benchmarks.md's block runs the bench
 itself against a real `wcache serve`."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 
 import doc_tables
-import plot_bench
-from wcache import bench_http
+import bench_records
+from wcache.bench import streaming
 
 
 def published() -> list[tuple]:
@@ -17,14 +17,14 @@ def published() -> list[tuple]:
 
 def test_a_16_client_record_is_published_and_fit():
     found = published()
-    assert any(d[bench_http.RECORD_KEY] >= 16 for _, d in found), [p.name for p, _ in found]
+    assert any(d[streaming.RECORD_KEY] >= 16 for _, d in found), [p.name for p, _ in found]
     for path, d in found:
-        assert bench_http.problems(d) == [], path.name
+        assert streaming.problems(d) == [], path.name
         assert d["device"] == "cpu" and d["model"] == "tiny" and d["torch"] and d["date"] and d["machine"]
 
 
 def test_the_page_shows_every_record_with_its_figures():
-    page = (plot_bench.BENCH_DIR.parent / "benchmarks.md").read_text(encoding="utf-8")
+    page = (bench_records.BENCH_DIR.parent / "benchmarks.md").read_text(encoding="utf-8")
     assert doc_tables.http_streaming() in page
     for path, d in published():
         row = next(line for line in page.splitlines() if path.name in line)
@@ -37,6 +37,6 @@ def test_an_unfit_record_is_named():
     bad["completed"] -= 1
     bad["refused"] = 1
     bad["ttft_s"]["p50"] = bad["ttft_s"]["p99"] + 1
-    out = bench_http.problems(bad)
+    out = streaming.problems(bad)
     assert len(out) == 3 and "streams complete" in out[0] and "refused" in out[1] and "out of order" in out[2]
-    assert bench_http.problems({}) and "missing key" in bench_http.problems({})[0]
+    assert streaming.problems({}) and "missing key" in streaming.problems({})[0]

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import bench_records
 import doc_tables
+import gpu_logs
+import matrix_tables
 import plot_bench
 import pytest
 import respawn_tables
@@ -260,12 +263,12 @@ def test_benchmark_svg_regenerates_identically_from_the_json():
 
     svg = ET.fromstring(plot_bench.SVG_PATH.read_text(encoding="utf-8"))
     texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
-    fresh = plot_bench.fresh_records()
+    fresh = bench_records.fresh_records()
     assert fresh, "the chart shows the fresh-process records, and there are some"
     for path, record in fresh:
-        assert plot_bench.run_label(path) in texts
+        assert bench_records.run_label(path) in texts
         for source in ("disk", "zero_copy", "copy"):
-            assert plot_bench.fmt_seconds(record["seconds"][source]) in texts
+            assert bench_records.fmt_seconds(record["seconds"][source]) in texts
     assert (DOCS / "benchmarks.md").read_text(encoding="utf-8").count("benchmarks/restart-h200.svg") == 1
 
 
@@ -277,7 +280,7 @@ def test_the_chart_title_says_how_its_records_were_sampled_and_no_label_is_clipp
     svg = ET.fromstring(plot_bench.SVG_PATH.read_text(encoding="utf-8"))
     ns = "{http://www.w3.org/2000/svg}"
     title = svg.find(f"{ns}title").text
-    assert "each sample a fresh process" in title and all(plot_bench.fresh(d) for _, d in plot_bench.fresh_records())
+    assert "each sample a fresh process" in title and all(bench_records.fresh(d) for _, d in bench_records.fresh_records())
     width = float(svg.get("width"))
     for t in svg.iter(f"{ns}text"):
         x, n = float(t.get("x")), len(t.text) * plot_bench.CHAR_W * (float(t.get("font-size", 12)) / 12)
@@ -286,12 +289,12 @@ def test_the_chart_title_says_how_its_records_were_sampled_and_no_label_is_clipp
 
 
 def test_every_published_record_is_rendered():
-    records = sorted(p.name for p in plot_bench.BENCH_DIR.glob("*.json"))
-    shown = {p.name for p, _ in plot_bench.bench_records()} | {p.name for p, _ in plot_bench.matrix_records()}
+    records = sorted(p.name for p in bench_records.BENCH_DIR.glob("*.json"))
+    shown = {p.name for p, _ in bench_records.bench_records()} | {p.name for p, _ in matrix_tables.matrix_records()}
     shown |= {p.name for p, _ in doc_tables.streaming_records()}
     shown |= {p.name for p, _ in respawn_tables.respawn_records()}
     assert records and set(records) == shown
-    logs = plot_bench.gpu_test_logs()
+    logs = gpu_logs.gpu_test_logs()
     assert logs and all(log.name in page("validation.md") for log in logs)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from procs import Processes
 
-from wcache.bench_respawn import kill_under_load
+from wcache.bench.respawn import kill_under_load
 from wcache.core.checkpoint import make_checkpoint
 
 pytestmark = [

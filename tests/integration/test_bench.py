@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from itest import run_cli
 from procs import private_env
-from wcache.bench import render_table
-from wcache.bench_restart import PHASES
-from wcache.bench_start import ENGINE_PHASES, FLOOR_PHASES
+from wcache.bench.restart import PHASES
+from wcache.bench.run import render_table
+from wcache.bench.start import ENGINE_PHASES, FLOOR_PHASES
 from wcache.errors import BenchError
 from wcache.wire.sockets import MAX_SOCKET_PATH
 
@@ -88,7 +88,7 @@ def test_bench_json_has_seconds_and_ratios(small_record, small_model):
 
 
 def assert_restart_phases(h: dict) -> None:
-    """Both daemon starts split into bench_restart.PHASES that add up to their totals; the restart
+    """Both daemon starts split into bench/restart.py PHASES that add up to their totals; the restart
     adopted (import_arena, no load from disk) and the first start loaded; a floor was measured."""
     for key, total in (("first_start_phases_s", "first_start_to_ready_s"), ("restart_phases_s", "restart_to_ready_s")):
         phases = h[key]

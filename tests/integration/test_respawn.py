@@ -20,7 +20,7 @@ import time
 
 import pytest
 from itest import child_pids, run_cli, wait_until
-from wcache.bench_respawn import failure_kind, kill_under_load, post
+from wcache.bench.respawn import failure_kind, kill_under_load, post
 from wcache.engine.respawn import BACKOFF_S, MAX_DEATHS, STABLE_S
 from wcache.errors import MAPPED, RespawnError
 

@@ -13,7 +13,7 @@ import time
 
 from procs import free_port, http
 from wcache.errors import WaitError
-from wcache.wait import READY
+from wcache.cli.flags import READY
 
 
 def wait_cmd(*args: str, env: dict) -> subprocess.Popen:

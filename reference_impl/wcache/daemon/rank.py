@@ -82,7 +82,7 @@ from wcache.wire import handback
 log = logging.getLogger("wcache.daemon")
 
 # When each start-up step ended (time.monotonic, one clock for every process of the host); main()
-# logs the steps' seconds as START_PHASES once the rank serves, for `wcache bench` (bench_restart.py).
+# logs the steps' seconds as START_PHASES once the rank serves, for `wcache bench` (bench/restart.py).
 MARKS: dict[str, float] = {}
 START_PHASES = "Rank {rank} start phases (s): {phases}"
 

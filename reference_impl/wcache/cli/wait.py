@@ -2,8 +2,8 @@
 
 The guide starts `wcache preload` and `wcache serve` with `&`, as an operator does in one terminal,
 and then waits with this command; CI runs exactly those lines. Readiness is what wcache itself
-reports: the launcher's ``Weight cache daemon READY`` log line (or any other text, for other
-milestones), and ``GET /health`` answering 200 (the engine's port, or the launcher's
+reports: the launcher's ``Weight cache daemon READY`` log line (flags.READY, --text's default; or any
+other text, for other milestones), and ``GET /health`` answering 200 (the engine's port, or the launcher's
 ``--weight-cache-health-port``). Every condition given must hold. With ``--pid`` the wait ends at
 once, with exit status 2, when that process exits first; a timeout is exit status 2 as well.
 """
@@ -18,10 +18,6 @@ from pathlib import Path
 
 from wcache.errors import WaitError
 
-#: What the launcher logs once every rank serves (wcache.daemon.launcher.READY; not imported from
-#: there, so `wcache wait` does not load the daemon's modules).
-READY = "Weight cache daemon READY"
-DEFAULT_TIMEOUT_S = 120.0
 POLL_S = 0.2
 
 

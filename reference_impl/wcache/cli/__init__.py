@@ -1,6 +1,9 @@
 """wcache: a GPU weight cache and a small engine (make-checkpoint, serve, preload, bench, wait).
 
-The flags of every command are in flags.py; this module picks the command and runs it.
+The command line's package: the flags of every command are in flags.py, the parser that reads them
+in parser.py and `wcache wait` in wait.py; this module, the entry point (``wcache`` and ``python -m
+wcache.cli``), picks the command and runs it. It imports its own modules, so they import none of
+each other (a module of this package that imported a sibling would load this one first: a loop).
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ import logging
 import sys
 import time
 
-from wcache import __version__, flags, logs
-from wcache.parser import Parser
+from wcache import __version__, logs
+from wcache.cli import flags
+from wcache.cli.parser import Parser
 
 log = logging.getLogger("wcache.cli")
 
@@ -108,15 +112,15 @@ def _main(argv: list[str], command: str | None) -> int:
 
             return run_preload(args)
         if args.command == "bench" and args.respawn:
-            from wcache.bench_respawn import run_bench_respawn
+            from wcache.bench.respawn import run_bench_respawn
 
             return run_bench_respawn(args)
         if args.command == "bench":
-            from wcache.bench import run_bench
+            from wcache.bench.run import run_bench
 
             return run_bench(args)
         if args.command == "wait":
-            from wcache.wait import run_wait
+            from wcache.cli.wait import run_wait
 
             return run_wait(args)
     except UserError as e:
@@ -125,7 +129,3 @@ def _main(argv: list[str], command: str | None) -> int:
     except KeyboardInterrupt:
         return 130
     return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

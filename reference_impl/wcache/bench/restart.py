@@ -23,16 +23,16 @@ arena record and adopts nothing, so the phase is skipped with that reason, never
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
+from wcache.bench.api import complete
+from wcache.bench.failure import bench_failure, log_tail
+from wcache.bench.processes import tree_rss_bytes
 from wcache.daemon.rank import START_PHASES
-from wcache.bench_failure import bench_failure, log_tail
 from wcache.errors import ADOPTED, ARENA_RECORDED, LEASED_AGAIN, STANDING_BY, BenchError, LEASE_LOST
 
 FLOOR = {"cuda": "import torch; torch.cuda.init()", "cpu": "import torch"}
@@ -92,7 +92,7 @@ def _wait_for(text, needle: str, timeout: float, what: str, *procs) -> None:
 def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
     """The first start and the adopting restart of one run, with their phases and the floor. Returns
     the result with the daemon left running under "daemon" (the caller stops it)."""
-    from wcache.bench_start import EngineUnderTest
+    from wcache.bench.start import EngineUnderTest
     from wcache.wire.arenas import HANDED_BACK_KINDS
 
     if kind not in HANDED_BACK_KINDS:
@@ -137,27 +137,8 @@ def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
         eng.stop()
 
 
-def _rss_mib(pid: int) -> float:
-    """The resident set of ``pid`` and its descendants, MiB (what a standby costs the host)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = open(f"/proc/{p}/status").read()
-            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
-        except (OSError, StopIteration, ValueError):
-            continue
-    return total / 1024
-
-
 def _answer(port: int) -> list:
-    body = json.dumps({"prompt": "standby", "max_tokens": 8}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"]
+    return json.loads(complete(port, "standby", 8, timeout=120)[1])["choices"]
 
 
 def standby_takeover(active, eng, new_daemon, first_start_s: float):
@@ -172,7 +153,7 @@ def standby_takeover(active, eng, new_daemon, first_start_s: float):
     try:
         _wait_for(standby.text, STANDING_BY.split(":")[0], STANDBY_WAIT_S, "the standby's standing-by line",
                   ("standby", standby))
-        rss = _rss_mib(standby.proc.pid)
+        rss = tree_rss_bytes(standby.proc.pid) / 2**20  # MiB: what a standby costs the host
         t_kill = time.monotonic()
         active.kill()
         took = standby.wait_ready(t_kill)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from wcache.wait import DEFAULT_TIMEOUT_S, READY
+#: `wcache wait --log`'s default text: what the launcher logs once every rank serves
+#: (wcache.daemon.launcher.READY; not imported from there, so `wcache wait` does not load the daemon's
+#: modules). Here, not in wait.py, because a module of this package imports none of its siblings.
+READY = "Weight cache daemon READY"
+DEFAULT_TIMEOUT_S = 120.0  # `wcache wait --timeout`'s default
 
 # The choices of the other commands' flags live beside the code that uses them, in modules that
 # import torch (about 2 s); each add_* function imports what it needs, so `wcache wait`, which runs

@@ -1,7 +1,7 @@
 """Concurrent streaming clients against a real ``wcache serve``: is every stream complete, is none
 refused, and how long does each wait for its first token?
 
-``python -m wcache.bench_http MODEL_DIR --clients 16 --output FILE`` starts ``wcache serve`` on a
+``python -m wcache.bench.streaming MODEL_DIR --clients 16 --output FILE`` starts ``wcache serve`` on a
 free loopback port, asks once for the plain greedy completion, then starts ``--clients`` streaming
 requests at the same instant (one thread and connection each, raw HTTP so nothing but the socket
 sits between the clock and the bytes) and checks that every stream ends with ``data: [DONE]`` and
@@ -21,15 +21,15 @@ import json
 import math
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+from wcache.bench.api import free_port, healthy
 
 RECORD_KEY = "streaming_clients"
 PROMPT = "Hello"
@@ -43,12 +43,6 @@ def percentile(values: list[float], q: float) -> float:
     return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
     log = log_path.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", "cpu", "--host",
@@ -58,12 +52,8 @@ def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"wcache serve exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
+        if healthy(port):
+            return proc
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"wcache serve not healthy within 180 s:\n{log_path.read_text()[-2000:]}")
@@ -105,7 +95,7 @@ def stream_once(port: int, max_tokens: int, go: threading.Barrier) -> dict:
 
 
 def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
-    from wcache.bench import environment
+    from wcache.bench.host import environment
     from wcache.core.autotune import cpu_name
 
     port = free_port()
@@ -166,7 +156,7 @@ def problems(record: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wcache.bench_http", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m wcache.bench.streaming", description=__doc__.splitlines()[0])
     p.add_argument("model", help="checkpoint directory (e.g. one `wcache make-checkpoint --preset tiny` wrote)")
     p.add_argument("--clients", type=int, default=16, help="streaming clients started at once (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each asks for (default 32)")

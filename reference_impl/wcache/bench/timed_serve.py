@@ -1,5 +1,5 @@
-"""The engine side of the bench's engine-start measurement (bench_start.py): `wcache serve` with its
-start-up steps timed. Run as ``python -c`` by the bench, so it imports the command line (cli.py),
+"""The engine side of the bench's engine-start measurement (start.py): `wcache serve` with its
+start-up steps timed. Run as ``python -c`` by the bench, so it imports the command line (wcache.cli),
 which imports the bench: a module of its own keeps that from being a loop.
 """
 
@@ -19,7 +19,7 @@ def serve_timed(t0: float, marks_path: str, argv: list[str]) -> int:
 
     from wcache.engine import early_context
 
-    early_context.start(argv[argv.index("serve") + 1:])  # as cli.main does for `wcache serve`, first
+    early_context.start(argv[argv.index("serve") + 1:])  # as wcache.cli.main does for `wcache serve`, first
     from wcache import cli
     from wcache.core import autotune
     from wcache.engine import engine, memory, runner, server  # noqa: F401  (what `wcache serve` imports)

@@ -26,12 +26,13 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
+from wcache.bench.api import complete, free_port
+from wcache.bench.failure import bench_failure
+from wcache.bench.processes import rss_bytes, terminate
 from wcache.engine.respawn import STABLE_S
 from wcache.engine.spare import SPARE_READY
-from wcache.bench_failure import bench_failure
 from wcache.wire.sockets import short_private_dir
 
 PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding
@@ -42,13 +43,8 @@ _RESPAWNED = re.compile(r"Respawned: engine worker pid (\d+) ready ([\d.]+) s af
 
 def post(port: int, timeout: float = 60.0) -> int:
     """One completion on a fresh connection: the HTTP status."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode(),
-                                 headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            r.read()
-            return r.status
+        return complete(port, PROMPT, MAX_TOKENS, timeout)[0]
     except urllib.error.HTTPError as e:
         return e.code
 
@@ -119,26 +115,11 @@ def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: floa
             "refused": sum(f["kind"] == "refused" for f in failed)}
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Serving:
     """A `wcache serve` process (with or without --respawn) and its log."""
 
     def __init__(self, args, work: Path, load_format: str, lc: dict | None, respawn: bool):
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = work / f"serve-{self.port}.log"
         argv = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "serve", args.model, "--device", args.device,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format]
@@ -174,15 +155,9 @@ class Serving:
         return time.monotonic() - self.t0
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        code = terminate(self.proc, session=True)
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 def _pids(pattern: re.Pattern, text: str) -> list[int]:
@@ -231,7 +206,8 @@ def fresh_starts(args, work: Path, lc: dict, n: int) -> dict:
 
 
 def run_bench_respawn(args) -> int:
-    from wcache.bench import DaemonUnderTest, environment
+    from wcache.bench.host import environment
+    from wcache.bench.processes import DaemonUnderTest
     from wcache.core.config import EngineConfig
 
     cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
