@@ -309,7 +309,8 @@ CHAT_TEMPLATE_CONFIG = "Cannot read the chat template of {path}: {why}"
 CHAT_TEMPLATE_RENDER = "The chat template could not render these messages: {error}"
 CHAT_TEMPLATE_KWARGS = "'chat_template_kwargs' must be an object whose keys are not {reserved}"
 MESSAGES_REQUIRED = "'messages' is required and must be a non-empty list of messages"
-MESSAGE_SHAPE = "'messages[{index}]' must be an object with a non-empty string 'role' and a 'content'"
+MESSAGE_SHAPE = ("'messages[{index}]' must be an object with a non-empty string 'role', a 'content' and, if "
+                 "any, a string 'name'")
 MESSAGE_FIELD = "Unknown field 'messages[{index}].{field}': wcache serve reads a message's role, content and name only"
 MESSAGE_CONTENT = ("'messages[{index}].content' must be a string, null, or a list of text parts "
                    "({{\"type\": \"text\", \"text\": \"...\"}})")

@@ -106,6 +106,8 @@ REFUSED = {  # name: (keyword arguments, what the message says)
     "image part": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
                    "'messages[0].content[0]' is not a text part"),
     "no messages": (dict(messages=[]), "'messages' is required"),
+    "no role": (dict(messages=[{"content": "x"}]), "'messages[0]' must be an object with a non-empty string 'role'"),
+    "content a number": (dict(messages=[{"role": "user", "content": 5}]), "'messages[0].content' must be a string"),
     "tool message": (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
                      "Unknown field 'messages[0].tool_call_id'"),
     "too many tokens": (dict(max_tokens=MAX_MODEL_LEN), "'max_tokens' must be between 1 and 65"),
