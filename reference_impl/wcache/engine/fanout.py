@@ -3,31 +3,32 @@
 A request's list of prompts (``"prompt": ["a", "b"]``) gets one thread per prompt, each calling
 ``Engine.generate``; an engine that batches runs them in one batch, one that decodes a sequence at a
 time runs them one after another. ``stream`` turns their pieces of text into one ordered series of
-events for a server-sent stream; a client that goes away (``gone``) stops every one of them at its
-next token.
+events for a server-sent stream. Both stop every prompt at its next token once they are told to
+(a client that went away, a drain's deadline).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 def _args(req) -> tuple:
     return req.max_tokens, req.sampling, req.stop
 
 
-def run_all(engine, prompts, req) -> list:
-    """Every prompt's Completion, in the prompts' order; the first failure is raised."""
+def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None) -> list:
+    """Every prompt's Completion, in the prompts' order; the first failure is raised. ``on_text``
+    is told each piece of every prompt's text and returns True to stop them all."""
     if len(prompts) == 1:  # no thread for the usual case
-        return [engine.generate(prompts[0], *_args(req))]
+        return [engine.generate(prompts[0], *_args(req), on_text=on_text)]
     done: list = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            done[i] = engine.generate(prompts[i], *_args(req))
+            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text)
         except BaseException as e:  # raised below, on the request's thread
             errors.append(e)
 
@@ -42,15 +43,17 @@ def run_all(engine, prompts, req) -> list:
     return done
 
 
-def stream(engine, prompts, req, gone: threading.Event) -> Iterator[tuple[str, int, object]]:
+def stream(engine, prompts, req, stop: Callable[[], bool]) -> Iterator[tuple[str, int, object]]:
     """("text", index, piece) as each piece is decoded, ("done", index, Completion) as each ends,
-    until every prompt is done; ("error", index, exception) ends the series early."""
+    until every prompt is done; ("error", index, exception) ends the series early. ``stop()`` is
+    asked at each piece: True stops every prompt at its next token."""
     events: queue.Queue = queue.Queue()
+    failed = threading.Event()
 
     def run(i: int) -> None:
         try:
             c = engine.generate(prompts[i], *_args(req),
-                                on_text=lambda piece: events.put(("text", i, piece)) or gone.is_set())
+                                on_text=lambda piece: events.put(("text", i, piece)) or failed.is_set() or stop())
             events.put(("done", i, c))
         except BaseException as e:
             events.put(("error", i, e))
@@ -62,6 +65,6 @@ def stream(engine, prompts, req, gone: threading.Event) -> Iterator[tuple[str, i
         kind, i, item = events.get()
         yield kind, i, item
         if kind == "error":
-            gone.set()  # the others stop at their next token
+            failed.set()  # the others stop at their next token
             return
         left -= kind == "done"

@@ -2,7 +2,8 @@
 
 | Route | Answer |
 | --- | --- |
-| ``GET /health`` | 200 once weights are bound, 503 while they load |
+| ``GET /health``, ``HEAD /health`` | 200 once weights are bound, 503 while they load or drain |
+| ``GET /version``, ``GET /metrics`` | what runs; Prometheus metrics (the health lane, with /health) |
 | ``GET /v1/models`` | the served names, in vLLM's shape |
 | ``GET /v1/models/{id}`` | one served name's card, or a 404 |
 | ``POST /v1/completions`` | a completion, or with ``"stream": true`` server-sent events |
@@ -29,7 +30,12 @@ from urllib.parse import unquote
 from wcache.engine import chat, fanout, http_front
 from wcache.engine import openai_api as api
 from wcache.engine.served import ServedModel
-from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE, API_KEY_MISSING, API_KEY_WRONG
+from wcache.engine.access_log import CLIENT_CLOSED
+from wcache.engine.client_gone import peer_closed
+from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
+from wcache.engine.version_info import version_body
+from wcache.errors import (API_KEY_MISSING, API_KEY_WRONG, BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS,
+                           NO_ROUTE, NOT_ALLOWED, SHUTTING_DOWN, TOO_LARGE)
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
 log = logging.getLogger("wcache.server")
@@ -45,7 +51,12 @@ _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit number
 
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
-    ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
+    ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`; 503 '
+                        '`{"status": "draining"}` from a SIGTERM on; answered apart from completions (the health lane)',
+    ("HEAD", "/health"): "the same status and headers as `GET /health`, without the body",
+    ("GET", "/version"): '`{"version", "commit", "torch", "device"}`: wcache\'s version, the git commit when run '
+                         'from a checkout (else `null`), torch\'s version, the device (`null` while loading)',
+    ("GET", "/metrics"): "Prometheus metrics, in the text exposition format ([Monitoring](monitoring.md))",
     ("GET", "/v1/models"): "a card per served name (`--served-model-name`, default the model directory as given) "
                            "in vLLM's shape: `id`, `object`, `created`, `owned_by` (`wcache`), `root` (the model "
                            "directory), `parent`, `max_model_len`",
@@ -74,12 +85,21 @@ REFUSALS = [
     (411, NO_LENGTH, "a POST without `Content-Length` (chunked bodies are not read)"),
     (413, TOO_LARGE, "a body over 1 MiB"),
     (408, http_front.TIMED_OUT, "the request line, headers and body did not all arrive in time"),
-    (503, BUSY_MESSAGE, "every connection is working on a request (idle ones are closed first)"),
+    (503, BUSY_MESSAGE, "`--max-concurrent-connections` requests are being answered, or every waiting slot is "
+                        "taken by connections sending their request for less than a second"),
+    (503, LANE_BUSY, "as many health, metrics and version requests are being answered as the lane allows"),
+    (405, NOT_ALLOWED, "a method other than GET or HEAD on `/health`, `/metrics` or `/version`"),
+    (503, SHUTTING_DOWN, "a completion still running at the drain's deadline (a stream gets it as an SSE "
+                         "`error` event, then `[DONE]`)"),
     (503, LOADING, "a request before the weights are loaded"),
     (404, NO_ROUTE, "any other method or path"),
 ]
 
 __all__ = ["EngineServer", "run_until_signal", "BUSY_MESSAGE", "Limits"]
+
+# ``GET /metrics``'s body: a function returning (bytes, content type), set by the metrics module
+# (e.g. ``server.render_metrics = registry_renderer``); None answers 404 NO_METRICS.
+MetricsRenderer = "Callable[[], tuple[bytes, str]]"
 
 
 class EngineServer(FrontDoorServer):
@@ -89,10 +109,26 @@ class EngineServer(FrontDoorServer):
         self.model_name = self.served.name
         self.ready = engine is not None
         self.created = int(time.time())
+        self.draining = False  # a SIGTERM came: /health is 503 from then on (engine/drain.py)
+        self.aborting = threading.Event()  # the drain's deadline passed: running completions end with an error
+        self.render_metrics = None  # MetricsRenderer, or None (404)
+        self.shutdown_delay, self.shutdown_timeout = SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S
         super().__init__(address, _Handler, limits, sock)
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self.serving.start()
+
+
+    @classmethod
+    def from_args(cls, args, engine, sock=None, served: ServedModel | None = None) -> EngineServer:
+        """The server ``wcache serve``'s flags describe (flags the parser lacks keep their defaults);
+        ``served``: what ServedModel.from_args(args) read once, before the weights loaded."""
+        limits = Limits(max_connections=getattr(args, "max_concurrent_connections", DEFAULT_LIMITS.max_connections))
+        server = cls((args.host, args.port), engine, served or args.model, limits=limits, sock=sock)
+        server.log_requests = not getattr(args, "disable_log_requests", False)
+        server.shutdown_delay = getattr(args, "shutdown_delay", SHUTDOWN_DELAY_S)
+        server.shutdown_timeout = getattr(args, "shutdown_timeout", SHUTDOWN_TIMEOUT_S)
+        return server
 
 
 class _Handler(FrontDoorHandler):
@@ -100,6 +136,28 @@ class _Handler(FrontDoorHandler):
 
     def _error(self, status: int, message: str, param: str | None = None) -> None:
         self.send_json(status, api.error_body(status, message, param))
+
+    def answer_lane(self):
+        """GET or HEAD of /health, /version, /metrics (http_front.py routes them here, on their own budget)."""
+        server = self.server
+        if self.path == "/health":
+            if server.draining:
+                self.send_json(503, {"status": "draining"})
+            elif server.ready:
+                self.send_json(200, {"status": "ok"})
+            else:
+                self.send_json(503, {"status": "loading"})
+        elif self.path == "/version":
+            engine = server.engine if server.ready else None
+            self.send_json(200, version_body(engine.cfg.device if engine is not None else None))
+        else:
+            # The hook, or the metrics module's EngineMetrics (server.metrics) once it is merged in.
+            render = server.render_metrics or getattr(getattr(server, "metrics", None), "render_metrics", None)
+            if render is None:
+                self._error(404, NO_METRICS)
+                return
+            body, content_type = render()
+            self.send_bytes(200, body, content_type)
 
     def _unauthorized(self) -> bool:
         """A 401 (the body, if any, unread) for a /v1/ request without the API key; never logs a key."""
@@ -117,12 +175,7 @@ class _Handler(FrontDoorHandler):
         self.begin_answer()
         served, path = self.server.served, self.path.split("?", 1)[0]
         max_model_len = self.server.engine.max_model_len if self.server.ready else None
-        if self.path == "/health":
-            if self.server.ready:
-                self.send_json(200, {"status": "ok"})
-            else:
-                self.send_json(503, {"status": "loading"})
-        elif path == "/v1/models":
+        if path == "/v1/models":
             self.send_json(200, api.models_body(served.names, self.server.created, max_model_len, served.root))
         elif path.startswith("/v1/models/"):
             name = unquote(path[len("/v1/models/"):])
@@ -182,8 +235,9 @@ class _Handler(FrontDoorHandler):
             self._error(503, LOADING)
             return
         engine, served = self.server.engine, self.server.served
+        is_chat = self.path == "/v1/chat/completions"
         try:
-            if self.path == "/v1/chat/completions":
+            if is_chat:
                 req = chat.parse_chat_request(body, served.chat_template, engine.max_model_len, served.names,
                                               engine.has_draft)
                 prompts = [req.prompt]
@@ -194,21 +248,47 @@ class _Handler(FrontDoorHandler):
         except api.ApiError as e:
             self.send_json(e.status, e.body())
             return
-        is_chat = self.path == "/v1/chat/completions"
+        record, aborting = self.record, self.server.aborting
+        if aborting.is_set():
+            self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
+            return
         if req.stream:
             events = (chat.ChatStream if is_chat else api.CompletionStream)(served.name, req.include_usage)
             self._stream(engine, prompts, req, events)
             return
-        done = fanout.run_all(engine, prompts, req)
+        gone = cut = False
+
+        def on_text(_piece: str) -> bool:
+            # Asked at each new piece of text (of any prompt of the request): the client left
+            # (nobody to answer), or the drain's deadline passed. Either stops decoding at this token.
+            nonlocal gone, cut
+            record.token()
+            gone = gone or peer_closed(self.connection)
+            cut = cut or aborting.is_set()
+            return gone or cut
+
+        done = fanout.run_all(engine, prompts, req, on_text)
+        record.prompt_tokens = sum(c.prompt_tokens for c in done)
+        record.generation_tokens = sum(len(c.token_ids) for c in done)
+        if gone:
+            self.close_connection = True
+            record.status = CLIENT_CLOSED
+            return
+        if cut:
+            self.close_connection = True
+            self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
+            return
         self.send_json(200, chat.chat_body(chat.new_id(), served.name, done[0]) if is_chat
                        else api.completion_body(api.new_id(), served.name, done))
 
     def _stream(self, engine, prompts: list, req, events) -> None:
         """Server-sent events, as vLLM sends them (``events`` says which: openai_api.CompletionStream,
         chat.ChatStream). The engine decodes on other threads (fanout.py); a client that goes away
-        stops the decoding at its next token. The 200 goes out with the first event, so an engine
-        that fails before its first token still answers with an error status."""
+        stops the decoding at its next token, and so does the drain's deadline, which ends the
+        stream with an ``error`` event and ``[DONE]``. The 200 goes out with the first event, so an
+        engine that fails before its first token still answers with an error status."""
         gone = threading.Event()
+        record, aborting = self.record, self.server.aborting
         started = False
 
         def start() -> None:
@@ -227,8 +307,12 @@ class _Handler(FrontDoorHandler):
             for payload in events.first():
                 self._event(payload, gone)
 
+        def stop() -> bool:
+            record.token()
+            return gone.is_set() or aborting.is_set()
+
         done: list = [None] * len(prompts)
-        for kind, i, item in fanout.stream(engine, prompts, req, gone):
+        for kind, i, item in fanout.stream(engine, prompts, req, stop):
             if kind == "error":
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
@@ -239,10 +323,19 @@ class _Handler(FrontDoorHandler):
                 start()
             if kind == "done":
                 done[i] = item
+                if aborting.is_set():
+                    continue  # the stream ends with the drain's error below
             for payload in (events.text(i, item) if kind == "text" else events.done(i, item)):
                 self._event(payload, gone)
-        for payload in events.last(done):
-            self._event(payload, gone)
+        record.prompt_tokens = sum(c.prompt_tokens for c in done)
+        record.generation_tokens = sum(len(c.token_ids) for c in done)
+        if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
+            self.close_connection = True
+            self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
+            self._event(api.DONE, gone)
+        else:
+            for payload in events.last(done):
+                self._event(payload, gone)
         if not gone.is_set() and self.chunked:
             try:
                 self.wfile.write(b"0\r\n\r\n")
@@ -250,6 +343,7 @@ class _Handler(FrontDoorHandler):
                 gone.set()
         if gone.is_set():
             self.close_connection = True
+            record.status = CLIENT_CLOSED
 
     def _event(self, payload, gone: threading.Event) -> None:
         if gone.is_set():
@@ -262,11 +356,18 @@ class _Handler(FrontDoorHandler):
 
 
 def run_until_signal(server: EngineServer, on_stop=None) -> None:
-    """Serve until SIGINT or SIGTERM, then close the listening socket and run ``on_stop``."""
-    stop = threading.Event()
+    """Serve until SIGTERM or SIGINT, then drain (engine/drain.py), close the listening socket and
+    run ``on_stop``. SIGTERM (Kubernetes, docker stop) keeps accepting for ``shutdown_delay`` first;
+    SIGINT (Ctrl-C at a terminal, where no load balancer routes) and a second signal skip the rest
+    of that delay; the in-flight requests still get their ``shutdown_timeout``."""
+    stop, again = threading.Event(), threading.Event()
+    first: list[int] = []
 
     def handle(signum, _frame):
-        log.info("Received %s, shutting down", signal.Signals(signum).name)
+        server.draining = True  # /health 503 from this instant, before the drain's own log line
+        if stop.is_set() or signum == signal.SIGINT:
+            again.set()
+        first.append(signum)
         stop.set()
 
     old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -275,6 +376,8 @@ def run_until_signal(server: EngineServer, on_stop=None) -> None:
         while not stop.wait(0.2):
             if not thread.is_alive():
                 break
+        if first:
+            drain(server, signal.Signals(first[0]).name, server.shutdown_delay, server.shutdown_timeout, again)
     finally:
         server.shutdown()
         server.server_close()
