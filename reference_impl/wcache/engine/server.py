@@ -285,15 +285,12 @@ class _Handler(FrontDoorHandler):
         """Server-sent events, as vLLM sends them (``events`` says which: openai_api.CompletionStream,
         chat.ChatStream). The engine decodes on other threads (fanout.py); a client that goes away
         stops the decoding at its next token, and so does the drain's deadline, which ends the
-        stream with an ``error`` event and ``[DONE]``. The 200 goes out with the first event, so an
-        engine that fails before its first token still answers with an error status."""
+        stream with an ``error`` event and ``[DONE]``. The 200 goes out at once: a stream holds its
+        connection's slot with its head sent, as a client waiting for the engine sees it."""
         gone = threading.Event()
         record, aborting = self.record, self.server.aborting
-        started = False
 
         def start() -> None:
-            nonlocal started
-            started = True
             self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -311,16 +308,13 @@ class _Handler(FrontDoorHandler):
             record.token()
             return gone.is_set() or aborting.is_set()
 
+        start()
         done: list = [None] * len(prompts)
         for kind, i, item in fanout.stream(engine, prompts, req, stop):
             if kind == "error":
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
-                if not started:
-                    self._error(500, str(item)[:200])
                 return
-            if not started:
-                start()
             if kind == "done":
                 done[i] = item
                 if aborting.is_set():
