@@ -28,15 +28,21 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights: the same seed, the same bytes")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the stored weights")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
+                   help="fp8: store every decoder projection block-wise in FP8 as transformers does (float8_e4m3fn "
+                        "weights, float32 weight_scale_inv per block, quantization_config in config.json)")
+    p.add_argument("--weight-block-size", type=_positive, default=None, metavar="N",
+                   help="FP8 block of N x N weights (default: 128; 32 for the tiny and tensors-10k presets, "
+                        "whose heads are 32 wide)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from wcache.core.config import DTYPE_CHOICES
-    from wcache.model.quant import METHODS
+    from wcache.model.quant import CHOICES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
-    p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
+    p.add_argument("--quantization", "-q", default=None, choices=CHOICES,
                    help="quantization method; default: the checkpoint's quantization_config, else none")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto picks cuda when available")
@@ -65,6 +71,16 @@ def _positive(text: str) -> int:
         v = 0
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of tokens")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0.0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return v
 
 
@@ -134,6 +150,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="keep the listening socket in a supervisor and a spare worker ready (torch imported, no "
                         "CUDA context); when the serving worker dies, the spare takes over the same socket, so "
                         "clients wait instead of being refused (one-rank engines; docs/respawn.md)")
+    p.add_argument("--respawn-heartbeat-timeout", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="with --respawn: a serving worker silent this long (stopped, or one forward pass stuck "
+                        "for half of it) is killed with SIGKILL and replaced as after a crash")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
@@ -240,10 +259,19 @@ def add_preload_args(p) -> None:
                         "local rank, in local rank order")
 
 
+def _quantization_choices() -> list[str]:
+    from wcache.model.quant import CHOICES
+
+    return CHOICES
+
+
 def add_bench_args(p) -> None:
     p.add_argument("--model", required=True, help="model directory to time")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto picks cuda when available")
     p.add_argument("--dtype", default="auto", help="as serve's --dtype")
+    p.add_argument("--quantization", "-q", default=None, choices=_quantization_choices(),
+                   help="as serve's --quantization, for the daemon and every engine (e.g. fp8: the daemon "
+                        "quantizes once, a disk start quantizes on every start)")
     p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
                    help="the daemon's --weight-cache-transport (CUDA only)")
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")
