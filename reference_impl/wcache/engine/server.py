@@ -174,7 +174,8 @@ class _Handler(FrontDoorHandler):
             return
         self.begin_answer()
         served, path = self.server.served, self.path.split("?", 1)[0]
-        max_model_len = self.server.engine.max_model_len if self.server.ready else None
+        engine = self.server.engine if self.server.ready else None
+        max_model_len = engine.max_model_len if engine is not None else None
         if path == "/v1/models":
             self.send_json(200, api.models_body(served.names, self.server.created, max_model_len, served.root))
         elif path.startswith("/v1/models/"):
