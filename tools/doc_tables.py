@@ -13,10 +13,10 @@ runs the check, so a table can only change together with the code or the JSON it
 Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
 field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
-``serve-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
-``openai_api`` / ``http_front``), ``engine-metrics`` and ``daemon-metrics`` (every metric family of
-each ``GET /metrics``, from ``wcache.engine.metrics`` / ``wcache.daemon.metrics``) and the benchmark
-tables of ``tools/bench_tables.py``, ``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
+``serve-fields``, ``chat-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
+``openai_api`` / ``chat`` / ``http_front``), ``engine-metrics`` and ``daemon-metrics`` (every metric
+family of each ``GET /metrics``, from ``wcache.engine.metrics`` / ``wcache.daemon.metrics``) and the
+benchmark tables of ``tools/bench_tables.py``, ``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
 """
 
 from __future__ import annotations
@@ -173,12 +173,23 @@ def serve_endpoints() -> str:
 
 def serve_fields() -> str:
     """Every field of a completion request, supported or refused (wcache.engine.openai_api.COMPLETION_FIELDS)."""
-    import json
-
     from wcache.engine.openai_api import COMPLETION_FIELDS
 
+    return fields_table(COMPLETION_FIELDS)
+
+
+def chat_fields() -> str:
+    """Every field of a chat request, supported or refused (wcache.engine.chat.CHAT_FIELDS)."""
+    from wcache.engine.chat import CHAT_FIELDS
+
+    return fields_table(CHAT_FIELDS)
+
+
+def fields_table(table: dict) -> str:
+    import json
+
     out = ["| Field | Served | Value, or why it is refused |", "| --- | --- | --- |"]
-    for name, f in COMPLETION_FIELDS.items():
+    for name, f in table.items():
         if f.supported:
             out.append(f"| `{name}` | yes | {_cell(f.what)} |")
         else:
@@ -263,6 +274,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "http-streaming": http_streaming,
     "serve-endpoints": serve_endpoints,
     "serve-fields": serve_fields,
+    "chat-fields": chat_fields,
     "serve-refusals": serve_refusals,
     "http-limits": http_limits,
     "preload-flags": preload_flags,

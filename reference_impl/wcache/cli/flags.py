@@ -144,8 +144,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
                    help="ipc_cache loader settings as a JSON object (see the loader key table)")
     p.add_argument("--host", default="0.0.0.0",
-                   help="address the HTTP API listens on; the API has no authentication: 0.0.0.0 answers "
-                        "anyone who can reach this host, 127.0.0.1 this host only")
+                   help="address the HTTP API listens on; without --api-key the API has no authentication: "
+                        "0.0.0.0 answers anyone who can reach this host, 127.0.0.1 this host only")
     p.add_argument("--port", type=int, default=8000,
                    help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
     p.add_argument("--respawn", action="store_true",
@@ -169,7 +169,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
                    help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                         "e.g. 8GiB (default: the host's physical memory)")
+    add_api_args(p)
     add_http_args(p)
+
+
+def add_api_args(p) -> None:
+    """What the HTTP API answers to (vLLM's flags): names, chat template, API key (engine/served.py)."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) the API answers to: a request's model may be any of them, answers "
+                        "carry the first (default: the model directory as given)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="chat template for POST /v1/chat/completions: a Jinja file, or the template text itself "
+                        "(default: the checkpoint's chat_template.jinja, else tokenizer_config.json's)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require one of these keys as Authorization: Bearer KEY on /v1/ routes (default: "
+                        "$VLLM_API_KEY; the variable keeps the key out of ps)")
 
 
 def add_http_args(p) -> None:

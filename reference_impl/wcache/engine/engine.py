@@ -330,9 +330,11 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``.
     """
     from wcache.engine.server import EngineServer, run_until_signal
+    from wcache.engine.served import ServedModel
     from wcache.engine.supervisor import Supervisor
 
     plan, specs = rank_specs(args, loader_config)
+    served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
     runner = RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
@@ -340,7 +342,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     server = None
     if plan.drives and answer_while_loading:
         # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer.from_args(args, None, sock)
+        server = EngineServer.from_args(args, None, sock, served)
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
     supervisor = Supervisor(specs[1:], server)
@@ -368,7 +370,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         supervisor.stop()
 
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
-        server = EngineServer.from_args(args, engine, sock)
+        server = EngineServer.from_args(args, engine, sock, served)
     server.engine, server.ready = engine, True
     server.metrics.engine_ready(engine)
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
