@@ -97,7 +97,7 @@ def test_expected_output_looks_apart_from_commands_and_has_no_copy_button(visit,
 
 
 def test_the_benchmarks_ratio_column_is_in_view_at_800_px(visit):
-    page = visit("benchmarks/", viewport={"width": 800, "height": 900}).page
+    page = visit("benchmarks.html", viewport={"width": 800, "height": 900}).page
     col = page.evaluate(LAST_COLUMN, "Disk / zero_copy")
     assert col, "no table with a Disk / zero_copy column on the benchmarks page"
     assert col["right"] <= col["visible"] + 1, f"the ratio column ends at {col['right']} px, past {col['visible']}"
