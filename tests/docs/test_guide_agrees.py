@@ -180,3 +180,27 @@ def test_the_cpu_respawn_records_noise_explanation_holds():
         if gap > 0:
             spread = max(s["ipc_cache"]) - min(s["ipc_cache"])
             assert spread > gap, f"{path.name}: ipc_cache is slower by {gap:.2f} s, more than its spread {spread:.2f} s"
+
+
+def test_what_a_restart_still_costs_sources_every_figure():
+    """docs/restart-costs.md: each phase of an upstream restart carries a figure and its source; the
+    flags and paths are named as upstream names them; the headline and Differences from vLLM link it."""
+    text = (DOCS / "restart-costs.md").read_text(encoding="utf-8")
+    refs = dict(re.findall(r"^\[([\w-]+)\]: (https://\S+)$", text, re.MULTILINE))
+    rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith(("| Phase", "| ---"))]
+    phases = [r.split("|")[1].strip() for r in rows]
+    for phase in ("Weight loading", "Dynamo bytecode transform", "Inductor compile, or its cache load",
+                  "KV cache profiling", "CUDA graph capture", "Kernel autotune and JIT"):
+        assert phase in phases, f"restart-costs.md lost the phase {phase!r}"
+    for row in rows:
+        figures = row.split("|")[3]
+        cited = re.findall(r"\]\[([\w-]+)\]", figures)
+        assert re.search(r"\d", figures) and cited, f"a phase without a sourced figure: {row[:80]}"
+        assert all(c in refs for c in cited), f"a citation without its link: {cited}"
+    for name in ("VLLM_CACHE_ROOT", "~/.cache/vllm/torch_compile_cache", "--compilation-config", "--enforce-eager",
+                 "VLLM_DISABLE_COMPILE_CACHE", "github.com/vllm-project/vllm/issues/19824",
+                 "github.com/vllm-project/vllm/issues/20264", "lmsys.org/blog/2026-08-21-sglang-fast-recovery"):
+        assert name in text, f"restart-costs.md no longer names {name}"
+    for page in ("index.md", "differences-from-vllm.md"):
+        assert "restart-costs.md" in (DOCS / page).read_text(encoding="utf-8"), page
+    assert "restart-costs.md" in (ROOT / "README.md").read_text(encoding="utf-8")
