@@ -5,7 +5,10 @@ tests/docs/test_tables.py checks both against a fresh render, like every generat
 
 It says where the rest of a start goes: the weights are milliseconds, and what remains of an engine
 start via the cache is Python, `import torch` and the CUDA context (the bench's floor), which only
-`wcache serve --respawn` takes off a crash's path.
+`wcache serve --respawn` takes off a crash's path, and points to docs/restart-costs.md for what an
+upstream vLLM engine still pays after its weights. It names every GPU target (tools/bench_tables.py)
+its record misses, and how many samples the CPU figures are, on what kind of machine: a headline
+that showed only the wins would promise more than the records hold (tests/docs/test_guide_agrees.py).
 """
 
 from __future__ import annotations
