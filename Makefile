@@ -20,7 +20,7 @@ XDIST := -n 2 --dist loadgroup
 MERMAID_VERSION := 11.12.0
 MERMAID_JS := docs/javascripts/mermaid.min.js
 
-.PHONY: demo test test-fast test-costs test-gpu lint docs docs-serve docs-assets browser-deps clean venv dev
+.PHONY: demo test test-fast test-costs test-gpu lint docs docs-serve docs-assets browser-deps clean venv dev checkov
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,20 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 venv: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
+# checkov (the policy scanner that tests/docker/test_policy.py runs over examples/) in a venv of its
+# own: it pins packaging 23 and networkx 2.6, which would downgrade the project's venv (torch needs a
+# newer networkx). Pinned, so a new checkov release cannot add findings to an unchanged tree.
+CHECKOV_VENV := .work/checkov-venv
+CHECKOV_PIN := checkov==3.3.30
+
+$(CHECKOV_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install -q $(CHECKOV_PIN)
+	touch $@
+
+checkov: $(CHECKOV_VENV)/.installed
+
 # Re-fetched when the pin changes: the version is recorded beside the file.
 $(MERMAID_JS): Makefile
 	mkdir -p $(@D)
@@ -63,13 +77,13 @@ browser-deps:
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py
 
-test: $(VENV)/.dev-installed docs-assets browser-deps
+test: $(VENV)/.dev-installed docs-assets browser-deps checkov
 	$(PY) -m pytest tests $(XDIST) --durations=20
 	$(MAKE) lint
 
 # Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
 # cost in tests/costs.json reaches tests/costs.py's SLOW_S (such tests are marked slow at collection).
-test-fast: $(VENV)/.dev-installed docs-assets
+test-fast: $(VENV)/.dev-installed docs-assets checkov
 	$(PY) -m pytest tests $(XDIST) -m "not slow and not docker and not browser"
 
 # Measure every test's cost again (tests/costs.json decides which tests are slow); on an idle machine.
@@ -102,4 +116,4 @@ docs-serve: $(DOCS_VENV)/.installed docs-assets
 	$(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8765
 
 clean:
-	rm -rf $(VENV) $(DOCS_VENV) site .pytest_cache $(MERMAID_JS) docs/javascripts/mermaid.version
+	rm -rf $(VENV) $(DOCS_VENV) $(CHECKOV_VENV) site .pytest_cache $(MERMAID_JS) docs/javascripts/mermaid.version

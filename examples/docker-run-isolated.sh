@@ -20,12 +20,16 @@ docker volume create "$NAME-cache"
 
 # The daemon: long-lived, in its own PID and IPC namespaces. --weight-cache-transport vmm_fd:
 # the GPU arena is a CUDA VMM allocation exported as a file descriptor (CPU: always a memfd).
-docker run -d --name "$NAME-daemon" \
+# Restarted always, like the engine (docs/docker.md); health port on loopback only.
+docker run -d --name "$NAME-daemon" --restart always \
     --gpus all --network host \
+    --cap-drop ALL --security-opt no-new-privileges --memory 4g \
     -v "$NAME-sockets:/run/wcache" -v "$NAME-cache:/var/cache/wcache" -v "$MODEL_DIR:/model:ro" \
+    -e WCACHE_HEALTH_URL="http://127.0.0.1:$HEALTH_PORT/health" \
     --entrypoint wcache "$IMAGE" \
     preload --model /model --weight-cache-socket-dir /run/wcache/sockets \
-    --weight-cache-health-port "$HEALTH_PORT" --weight-cache-transport vmm_fd
+    --weight-cache-health-port "$HEALTH_PORT" --weight-cache-health-host 127.0.0.1 \
+    --weight-cache-transport vmm_fd
 
 # Start the engine only once the daemon serves.
 until curl -fs "http://127.0.0.1:$HEALTH_PORT/health"; do
@@ -38,9 +42,12 @@ done
 
 # The engine: same image, same user, same GPUs, the same two volumes, and its own PID and IPC
 # namespaces. "transport": "vmm_fd": on a GPU it refuses a daemon that serves legacy CUDA IPC,
-# whose handles are not made to cross namespaces (docs/gpu-transports.md).
-docker run -d --name "$NAME-engine" --restart always \
+# whose handles are not made to cross namespaces (docs/gpu-transports.md). Fallback off, the API on
+# loopback and the drain's stop timeout as in examples/docker-run.sh.
+docker run -d --name "$NAME-engine" --restart always --stop-timeout 60 \
     --gpus all --network host \
+    --cap-drop ALL --security-opt no-new-privileges --memory 4g \
     -v "$NAME-sockets:/run/wcache" -v "$NAME-cache:/var/cache/wcache" -v "$MODEL_DIR:/model:ro" \
-    "$IMAGE" /model --port "$PORT" --load-format ipc_cache \
-    --model-loader-extra-config '{"socket_dir": "/run/wcache/sockets", "transport": "vmm_fd"}'
+    -e WCACHE_HEALTH_URL="http://127.0.0.1:$PORT/health" \
+    "$IMAGE" /model --host 127.0.0.1 --port "$PORT" --load-format ipc_cache \
+    --model-loader-extra-config '{"socket_dir": "/run/wcache/sockets", "transport": "vmm_fd", "fallback": false}'

@@ -172,6 +172,8 @@ class Processes:
 
     def serve(self, model, *extra: str, port: int | None = None, ready: bool = True, **kw) -> Proc:
         port = port or free_port()
+        if "--shutdown-delay" not in extra:  # no load balancer routes to a test's engine: stop at once
+            extra = (*extra, "--shutdown-delay", "0")
         p = self.start("serve", str(model), "--device", self.device, "--host", "127.0.0.1", "--port", str(port), *extra, **kw)
         p.port = port
         if ready:

@@ -47,6 +47,7 @@ GROUP_TITLES = {
     "parallelism": "Parallelism",
     "weight cache daemon": "Weight cache daemon",
     "autotune seeding (see docs/autotune.md)": "Autotune seeding",
+    "HTTP server and shutdown": "HTTP server and shutdown",
 }
 NOT_SET = "not set"
 REQUIRED = "required"

@@ -315,7 +315,8 @@ STREAM_OPTIONS = "'stream_options' must be an object with 'include_usage' (true 
 SAMPLING_WITH_DRAFT = ("'temperature' must be 0 on this engine: with --speculative-config it decodes greedily "
                        "(draft then verify)")
 BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"
-# Logged when every connection is taken and one idle (or still sending its head) is closed for a newcomer.
+# Logged when every waiting connection is taken and one idle (or the slowest to send its request) is
+# closed for a newcomer.
 ROOM_MADE = "Closed a connection {state} for {seconds:.1f} s to make room for a new one ({max} in use)"
 TIMED_OUT = ("The request did not arrive in time: {deadline:g} s from its first byte for the request line, "
              "headers and body, at most {read:g} s between reads")
@@ -326,3 +327,15 @@ BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
 TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
 LOADING = "The engine is still loading its weights"
 NO_ROUTE = "No route for {method} {path}"
+# The health lane (engine/http_front.py): /health, /metrics and /version, outside the completion limit.
+LANE_BUSY = "The server is answering {max} health, metrics and version requests; retry shortly"
+NOT_ALLOWED = "Method {method} is not allowed on {path}: use GET or HEAD"
+NO_METRICS = "No metrics are exported by this engine"
+# A SIGTERM's drain (engine/drain.py): what a request still running at the deadline is ended with.
+SHUTTING_DOWN = ("The server is shutting down: the request did not finish within the {timeout:g} s drain "
+                 "deadline (--shutdown-timeout); retry on another replica")
+DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepting for {delay:g} s more (--shutdown-delay), "
+                 "then draining in-flight requests for up to {timeout:g} s (--shutdown-timeout)")
+DRAINING = "Stopped accepting; draining {n} in-flight request(s) for up to {timeout:g} s"
+DRAIN_CUT = "Drain deadline of {timeout:g} s passed: ending {n} request(s) with an error"
+DRAINED = "Drained in {seconds:.1f} s"

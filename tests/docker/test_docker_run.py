@@ -23,6 +23,7 @@ from wcache.core import autotune  # the project's own: an import error fails the
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 SOCKET_DIR = "/run/wcache/sockets"
+IMAGE_UID = 10001  # examples/Dockerfile's WCACHE_UID
 ENGINE_LINE = 'docker run -d --name "$NAME-engine"'
 
 
@@ -87,10 +88,20 @@ def test_engine_maps_the_daemons_weights(pair):
     assert complete(pair.port)["choices"][0]["token_ids"]
 
 
+def test_the_images_health_check_asks_each_containers_own_port(pair):
+    # HEALTHCHECK asks WCACHE_HEALTH_URL, which each `docker run` line sets to its own port.
+    for c in (pair.daemon, pair.engine):
+        wait_until(lambda: inspect(c)["State"]["Health"]["Status"] == "healthy", 90, f"{c} healthy",
+                   lambda: str(inspect(c)["State"].get("Health"))[-3000:])
+
+
 def test_socket_dir_is_private_to_the_daemons_user(pair):
     # The daemon created the subdirectory of the named volume itself: 0700, owned by its uid.
     r = docker("exec", pair.daemon, "stat", "-c", "%a %u", SOCKET_DIR)
-    assert r.stdout.split() == ["700", "0"]
+    assert r.stdout.split() == ["700", str(IMAGE_UID)]
+    # Not root: both containers run as the image's user.
+    for c in (pair.daemon, pair.engine):
+        assert docker("exec", c, "id", "-u").stdout.strip() == str(IMAGE_UID)
 
 
 def test_crashed_engine_is_restarted_and_maps_again(pair):
@@ -107,8 +118,25 @@ def test_crashed_engine_is_restarted_and_maps_again(pair):
     assert complete(pair.port)["choices"][0]["token_ids"]
 
 
+def test_a_crashed_daemon_is_restarted_and_takes_the_weights_back_from_the_engine(pair):
+    """--restart always on the daemon too: Docker brings it back after a crash, and it adopts the
+    running engine's arena (its state directory is on the cache volume) instead of reading the disk."""
+    before = inspect(pair.daemon)
+    assert before["HostConfig"]["RestartPolicy"]["Name"] == inspect(pair.engine)["HostConfig"]["RestartPolicy"]["Name"] == "always"
+    os.kill(before["State"]["Pid"], signal.SIGKILL)
+    log = wait_log_count(pair.daemon, "Weight cache daemon READY", 2)
+    after = inspect(pair.daemon)
+    assert after["RestartCount"] >= 1 and after["State"]["Pid"] != before["State"]["Pid"]
+    assert "adopted the arena of a running engine" in log, log
+    assert log.count("Rank 0 loaded 27 tensors") == 1, log  # the first start only
+    wait_log_count(pair.engine, "Leased the weights again from the restarted weight cache daemon", 1)
+    assert complete(pair.port)["choices"][0]["token_ids"]
+
+
 def test_without_the_socket_volume_the_engine_falls_back_to_disk(pair):
-    container, port, r = pair.run_variant("nosock", ('-v "$NAME-sockets:/run/wcache" ', ""))
+    # The example turns fallback off; this variant turns it on, to show what it would do.
+    container, port, r = pair.run_variant("nosock", ('-v "$NAME-sockets:/run/wcache" ', ""),
+                                          ('"fallback": false', '"fallback": true'))
     assert r.returncode == 0, r.stderr
     wait_until(lambda: healthy(port), 120, "fallback engine /health 200", lambda: logs(container)[-6000:])
     log = logs(container)
@@ -121,11 +149,10 @@ def test_without_the_socket_volume_the_engine_falls_back_to_disk(pair):
 
 
 def test_without_the_socket_volume_and_no_fallback_the_engine_waits_then_fails(pair):
-    config = '\'{"socket_dir": "/run/wcache/sockets"}\''
+    # The example as it is (fallback off), with a short wait.
     _, _, r = pair.run_variant(
         "nosock-wait", ('-v "$NAME-sockets:/run/wcache" ', ""),
-        (config, '\'{"socket_dir": "/run/wcache/sockets", "fallback": false, "state_timeout_s": 3}\''),
-        detach=False)
+        ('"fallback": false', '"fallback": false, "state_timeout_s": 3'), detach=False)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out
     assert errors.WAITING.format(timeout=3.0) in out

@@ -47,7 +47,8 @@ def script(c: dict) -> str:
 def test_every_object_is_strictly_valid():
     pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extra) validates the manifest")
     found = docs()
-    assert set(found) == {"PersistentVolumeClaim", "Deployment", "Service/wcache", "Service/wcache-seed"}
+    assert set(found) == {"PersistentVolumeClaim", "Job", "NetworkPolicy", "Deployment", "Service/wcache",
+                          "Service/wcache-seed"}
     for kind, d in found.items():
         assert validate_k8s(d) == [], kind
     bad = copy.deepcopy(found["Deployment"])

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests" / "faults"))  # attacklib
 
 from attacklib import BOUNDS, FIGURES_FILE, RECORD_COMMAND, bound_problems, measured_attacks  # noqa: E402
 from wcache.daemon.rank import IN_FLIGHT_BYTES, REQUEST_TIMEOUT_S  # noqa: E402
-from wcache.engine.server import MAX_CONNECTIONS  # noqa: E402
+from wcache.engine.http_front import DEFAULT_LIMITS as HTTP  # noqa: E402
 from wcache.wire.handback import ASK_BUDGET_S  # noqa: E402
 from wcache.wire.protocol import MAX_FDS  # noqa: E402
 
@@ -31,7 +31,7 @@ PAGE = ROOT / "docs" / "faults.md"
 PAGE_WORDS = {
     "6 offers that accept and never answer": f"waits {ASK_BUDGET_S:g} s for all of them together",
     "A frame sent at 1 byte a second": f"{REQUEST_TIMEOUT_S:g} seconds bound the whole frame",
-    "100 HTTP bodies that never finish": f"At most {MAX_CONNECTIONS} connections",
+    "100 HTTP bodies that never finish": f"At most {HTTP.max_waiting_connections} waiting connections",
     "Large frames held in flight": f"Past {IN_FLIGHT_BYTES >> 20} MiB",
     "Descriptor flood": f"at most {2 * MAX_FDS} at once",
 }

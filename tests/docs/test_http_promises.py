@@ -31,7 +31,8 @@ def test_faults_states_the_limits_the_attack_tests_enforce():
     [slow] = rows("faults.md", "sending their headers a line at a time")
     assert f"{L.request_deadline_s:g} s for the request line" in slow and f"head after {L.head_grace_s:g} s" in slow
     [idle] = rows("faults.md", "idle connections (silent")
-    assert f"{L.max_connections + 1} idle connections" in idle and f"after {L.idle_timeout_s:g} s idle" in idle
+    assert f"{L.max_waiting_connections + 1} idle connections" in idle and f"after {L.idle_timeout_s:g} s idle" in idle
     [bodies] = rows("faults.md", "HTTP bodies that never finish")
-    assert f"At most {L.max_connections} connections" in bodies
+    assert f"At most {L.max_waiting_connections} waiting connections" in bodies
+    assert f"apart from the {L.max_connections} working" in bodies
     assert f"{L.read_timeout_s:g} s per read and {L.request_deadline_s:g} s per request" in bodies

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from wcache.daemon.rank import EMFILE_LOG_EVERY_S, IN_FLIGHT_BYTES, REQUEST_TIMEOUT_S
-from wcache.engine.server import MAX_CONNECTIONS
+from wcache.engine.http_front import DEFAULT_LIMITS as HTTP
 from wcache.wire.handback import ASK_BUDGET_S
 from wcache.wire.protocol import MAX_FDS
 
@@ -37,6 +37,7 @@ FIGURES: dict[str, dict] = {}
 # Allowances for the measurement itself, not for the code: each says what it covers.
 CLOSE_SLACK_S = 0.5  # a thread waking after its deadline and closing a socket, on a busy machine
 POLL_S = 3.0  # the 1 B/s sender sends a byte, then polls 1 s for the close, and sendall may block
+HTTP_BUDGETS = HTTP.max_waiting_connections + HTTP.max_connections + HTTP.health_connections
 THREADS_SLACK = 4  # the server's own threads (acceptor, logging) besides one per connection
 FLOOD_SLACK_FDS = 16  # the last segment of a frame may carry up to MAX_FDS more before it is counted
 AMPLIFICATION_MIB = 200  # 4 x 16 MiB frames held as bytes (+ allocator slack); was ~400 MiB each parsed
@@ -49,9 +50,10 @@ BOUNDS: dict[str, list[tuple[str, object]]] = {
     "a frame at 1 byte a second": [
         (f"closed_after_s <= REQUEST_TIMEOUT_S ({REQUEST_TIMEOUT_S:g}) + {POLL_S}",
          lambda f: f["closed_after_s"] <= REQUEST_TIMEOUT_S + POLL_S)],
-    "half-sent HTTP bodies": [
-        (f"threads_peak <= threads_before + MAX_CONNECTIONS ({MAX_CONNECTIONS}) + {THREADS_SLACK}",
-         lambda f: f["threads_peak"] <= f["threads_before"] + MAX_CONNECTIONS + THREADS_SLACK)],
+    "half-sent HTTP bodies": [  # a thread per connection, bounded by the front door's budgets
+        (f"threads_peak <= threads_before + min(connections + 1, {HTTP_BUDGETS}) + {THREADS_SLACK}",
+         lambda f: f["threads_peak"] <= f["threads_before"] + min(f["connections"] + 1, HTTP_BUDGETS)
+         + THREADS_SLACK)],
     "EMFILE on accept": [
         (f"1 <= log_lines <= one per EMFILE_LOG_EVERY_S ({EMFILE_LOG_EVERY_S:g}) + 1",
          lambda f: 1 <= f["log_lines"] <= math.ceil(f["seconds"] / EMFILE_LOG_EVERY_S) + 1)],

@@ -644,6 +644,10 @@ def test_a_malformed_http_request_gets_a_json_4xx_and_the_server_stays_up(engine
 
 @pytest.mark.slow  # starts daemons (or waits out a read timeout): tens of seconds
 def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
+    """100 bodies that never finish wait on the waiting budget (256), not the completions' (64):
+    a legitimate completion is served meanwhile (it was a 503 until issue ops-1), and the threads
+    stay bounded by the two budgets and the health lane's."""
+    from wcache.engine.http_front import DEFAULT_LIMITS as L
     from wcache.engine.server import BODY_DEADLINE_S, MAX_CONNECTIONS
 
     pid = engine.pid
@@ -657,7 +661,7 @@ def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
                 held.append(s)
             time.sleep(0.5)
             status, body, seconds = http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))
-            assert status == 503 and body["error"]["type"] == "ServiceUnavailableError" and seconds < 2, (status, body)
+            assert status == 200 and seconds < 10, (status, body, seconds)
         # The first ones are cut at the body deadline with a 408, and the server serves again.
         s = held[0]
         s.settimeout(BODY_DEADLINE_S + 15)
@@ -668,7 +672,8 @@ def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
             s.close()
     wait_until(lambda: http_raw(engine.port, post(b'{"prompt": "ok", "max_tokens": 2}'))[0] == 200, 30,
                "the engine to serve again")
-    assert peak.threads <= base + MAX_CONNECTIONS + 4, (base, peak.threads)  # was one thread per connection
+    bound = L.max_waiting_connections + L.max_connections + L.health_connections
+    assert peak.threads <= base + min(bound, len(held) + 1) + 4, (base, peak.threads)  # a thread per connection
     assert "Traceback" not in engine.log()
     figure("half-sent HTTP bodies", connections=len(held) or MAX_CONNECTIONS + 36, threads_before=base,
-           threads_peak=peak.threads, busy_answer_s=seconds)
+           threads_peak=peak.threads, legit_answer_s=seconds)

@@ -288,7 +288,7 @@ def read_one_answer(s: socket.socket) -> bytes:
 @pytest.mark.parametrize("with_request", [True, False], ids=["after a request", "silent"])
 def test_idle_connections_make_room_for_new_clients(with_request, caplog):
     caplog.set_level(logging.INFO, logger="wcache.server")
-    server = small_server(idle_timeout_s=600.0, max_connections=8)  # only making room can free a slot
+    server = small_server(idle_timeout_s=600.0, max_waiting_connections=8)  # only making room can free a slot
     port = server.server_address[1]
     held = keep_alive_connections(port, 8, with_request)
     try:
@@ -318,9 +318,9 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout():
         stop(server)
 
 
-def test_65_idle_connections_against_wcache_serve_do_not_starve_a_client(engine):
-    """The issue's attack at the defaults: one more idle connection than there are slots."""
-    n = DEFAULT_LIMITS.max_connections + 1
+def test_one_more_idle_connection_than_waiting_slots_does_not_starve_a_client(engine):
+    """The issue's attack at the defaults: one more idle connection than there are waiting slots."""
+    n = DEFAULT_LIMITS.max_waiting_connections + 1
     held = keep_alive_connections(engine.port, n, with_request=False)
     try:
         time.sleep(DEFAULT_LIMITS.head_grace_s + 0.2)
@@ -350,3 +350,94 @@ def test_a_server_serves_on_a_listening_socket_it_is_handed():
     finally:
         stop(server)
     assert listener.fileno() == -1  # the server closed what it was handed
+
+
+# -- 5. bodies trickled in (issue ops-1) ---------------------------------------------------------------
+class SlowBodies:
+    """``n`` connections that send a completion's headers, then one body byte every ``every`` s,
+    and reconnect (after ``pause`` s) when the server cuts them: the issue's attack at a93be40."""
+
+    def __init__(self, port: int, n: int, every: float, pause: float = 0.0):
+        self.port, self.n, self.every, self.pause = port, n, every, pause
+        self.connections = 0
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._attacker, daemon=True) for _ in range(n)]
+
+    def _attacker(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                s = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            except OSError:
+                time.sleep(0.05)
+                continue
+            self.connections += 1
+            try:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 4096\r\n\r\n")
+                while not self.stopping.is_set():
+                    s.settimeout(self.every)
+                    try:
+                        s.recv(1 << 16)
+                        break  # an answer (a 408 or a 503) or the close: the server let go of it
+                    except TimeoutError:
+                        pass
+                    s.sendall(b" ")
+            except OSError:
+                pass
+            finally:
+                s.close()
+            self.stopping.wait(self.pause)
+
+    def __enter__(self) -> SlowBodies:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(self.every + 5)
+
+
+def legit_completion(port: int) -> int:
+    status, _ = http("POST", f"http://127.0.0.1:{port}/v1/completions", {"prompt": "Hello", "max_tokens": 4},
+                     timeout=30)
+    return status
+
+
+def test_64_slow_body_senders_do_not_starve_completions(engine):
+    """The issue's attack against wcache serve at its defaults (a body byte every 0.5 s instead of
+    5 s, so the connections stay as slow and the suite stays short): 12 legitimate completions, one
+    a second, each a 200. At a93be40, 9 of 12 were a 503."""
+    with SlowBodies(engine.port, 64, every=0.5) as attack:
+        time.sleep(1.5)  # every attacker connected and mid-body
+        statuses = []
+        for _ in range(12):
+            statuses.append(legit_completion(engine.port))
+            time.sleep(1.0)
+    assert attack.connections >= 64
+    assert statuses == [200] * 12, statuses
+    figure("slow HTTP bodies", attackers=64, body_byte_every_s=0.5, legit_completions=12,
+           legit_served=statuses.count(200))
+
+
+def test_when_waiting_slots_run_out_the_slowest_body_sender_is_shed(caplog):
+    """More tricklers than waiting slots: a legitimate request still gets in, because a connection
+    delivering its body slower than any other for over the grace is closed to make room for it.
+    The rule's bound: it holds while the attackers reconnect slower than the slots age past the
+    grace (16 slots / 0.5 s here); a flood of reconnections faster than that takes every slot as
+    it ages, which only more slots (the default is 256) answer."""
+    caplog.set_level(logging.INFO, logger="wcache.server")
+    server = small_server(max_waiting_connections=16, head_grace_s=0.5)
+    port = server.server_address[1]
+    try:
+        with SlowBodies(port, 24, every=0.3, pause=2.0):
+            time.sleep(1.0)
+            statuses = []
+            for _ in range(12):
+                statuses.append(http("GET", f"http://127.0.0.1:{port}/v1/models", timeout=10)[0])
+                time.sleep(0.3)
+        assert statuses == [200] * 12, statuses
+        assert "still sending its request for" in caplog.text and "(16 in use)" in caplog.text
+    finally:
+        stop(server)

@@ -111,6 +111,10 @@ def _main(argv: list[str], command: str | None) -> int:
             from wcache.daemon.launcher import run_preload
 
             return run_preload(args)
+        if args.command == "bench" and args.health_under_load:
+            from wcache.bench.health import run_bench_health
+
+            return run_bench_health(args)
         if args.command == "bench" and args.respawn:
             from wcache.bench.respawn import run_bench_respawn
 

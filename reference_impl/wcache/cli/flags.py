@@ -142,6 +142,45 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
                    help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                         "e.g. 8GiB (default: the host's physical memory)")
+    add_http_args(p)
+
+
+def add_http_args(p) -> None:
+    """The HTTP server's operation: its completion limit, its request log and its SIGTERM drain
+    (engine/http_front.py, access_log.py, drain.py; docs/lifecycle.md says why these defaults)."""
+    g = p.add_argument_group("HTTP server and shutdown")
+    g.add_argument("--max-concurrent-connections", type=_count, default=64, metavar="N",
+                   help="connections working on a request at once (completions, models); past it a 503. "
+                        "/health, /metrics and /version are answered apart from this limit")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not write the one-line access log per request (request id, method, path, status, "
+                        "tokens, time to first token, total time), at INFO on wcache.access")
+    g.add_argument("--shutdown-delay", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="after SIGTERM, keep accepting this long (/health answers 503 from the start) so load "
+                        "balancers withdraw the endpoint first")
+    g.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="then drain in-flight requests for up to this long; what still runs ends with an error "
+                        "and the engine exits 0")
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return v
 
 
 def add_preload_command_args(p) -> None:
@@ -199,6 +238,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--respawn", action="store_true",
                    help="instead: kill the serving worker of `wcache serve --respawn` under a steady client, "
                         "against a fresh `wcache serve` from disk (bench_respawn.py)")
+    p.add_argument("--health-under-load", action="store_true",
+                   help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
+                        "connections are held open and 16 streams run (bench/health.py)")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:

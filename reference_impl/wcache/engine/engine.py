@@ -182,7 +182,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     server = None
     if plan.drives and answer_while_loading:
         # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer((args.host, args.port), None, args.model, sock=sock)
+        server = EngineServer.from_args(args, None, sock)
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
     supervisor = Supervisor(specs[1:], server)
@@ -210,7 +210,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         supervisor.stop()
 
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
-        server = EngineServer((args.host, args.port), engine, args.model, sock=sock)
+        server = EngineServer.from_args(args, engine, sock)
     server.engine, server.ready = engine, True
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
     if on_ready is not None:

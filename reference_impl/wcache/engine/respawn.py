@@ -38,6 +38,7 @@ import sys
 import time
 
 from wcache.engine.http_front import address_error
+from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S
 from wcache.engine.server import EngineServer
 from wcache.errors import RespawnError
 
@@ -257,12 +258,16 @@ class RespawnSupervisor:
         w.promote(answer_while_loading=False)  # clients wait in the backlog until it is ready
 
     def _stop_workers(self) -> None:
-        """SIGTERM to every worker (the serving one stops as a plain `wcache serve` does), SIGKILL
-        to any still running after STOP_GRACE_S."""
+        """SIGTERM to every worker (the serving one drains as a plain `wcache serve` does: /health
+        503, accepting on the socket this supervisor still holds for --shutdown-delay, then its
+        in-flight requests for up to --shutdown-timeout), SIGKILL to any still running STOP_GRACE_S
+        after both."""
         workers = self.workers()
         for w in workers:
             w.signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        drain_s = getattr(self.args, "shutdown_delay", SHUTDOWN_DELAY_S) + getattr(self.args, "shutdown_timeout",
+                                                                                  SHUTDOWN_TIMEOUT_S)
+        deadline = time.monotonic() + drain_s + STOP_GRACE_S
         for w in workers:
             try:
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -2,7 +2,8 @@
 
 | Route | Answer |
 | --- | --- |
-| ``GET /health`` | 200 once weights are bound, 503 while they load |
+| ``GET /health``, ``HEAD /health`` | 200 once weights are bound, 503 while they load or drain |
+| ``GET /version``, ``GET /metrics`` | what runs; Prometheus metrics (the health lane, with /health) |
 | ``GET /v1/models`` | the served model, in vLLM's shape |
 | ``POST /v1/completions`` | a completion, or with ``"stream": true`` server-sent events |
 | ``POST /v1/chat/completions`` | refused as vLLM refuses a model without a chat template |
@@ -25,7 +26,12 @@ import time
 
 from wcache.engine import http_front
 from wcache.engine import openai_api as api
-from wcache.errors import NO_LENGTH, BAD_LENGTH, TOO_LARGE, LOADING, NO_ROUTE
+from wcache.engine.access_log import CLIENT_CLOSED
+from wcache.engine.client_gone import peer_closed
+from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
+from wcache.engine.version_info import version_body
+from wcache.errors import (BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS, NO_ROUTE, NOT_ALLOWED,
+                           SHUTTING_DOWN, TOO_LARGE)
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
 
 log = logging.getLogger("wcache.server")
@@ -41,7 +47,12 @@ _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit number
 
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
-    ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`',
+    ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`; 503 '
+                        '`{"status": "draining"}` from a SIGTERM on; answered apart from completions (the health lane)',
+    ("HEAD", "/health"): "the same status and headers as `GET /health`, without the body",
+    ("GET", "/version"): '`{"version", "commit", "torch", "device"}`: wcache\'s version, the git commit when run '
+                         'from a checkout (else `null`), torch\'s version, the device (`null` while loading)',
+    ("GET", "/metrics"): "Prometheus metrics, in the text exposition format ([Monitoring](monitoring.md))",
     ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
                            "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
     ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
@@ -62,12 +73,21 @@ REFUSALS = [
     (411, NO_LENGTH, "a POST without `Content-Length` (chunked bodies are not read)"),
     (413, TOO_LARGE, "a body over 1 MiB"),
     (408, http_front.TIMED_OUT, "the request line, headers and body did not all arrive in time"),
-    (503, BUSY_MESSAGE, "every connection is working on a request (idle ones are closed first)"),
+    (503, BUSY_MESSAGE, "`--max-concurrent-connections` requests are being answered, or every waiting slot is "
+                        "taken by connections sending their request for less than a second"),
+    (503, LANE_BUSY, "as many health, metrics and version requests are being answered as the lane allows"),
+    (405, NOT_ALLOWED, "a method other than GET or HEAD on `/health`, `/metrics` or `/version`"),
+    (503, SHUTTING_DOWN, "a completion still running at the drain's deadline (a stream gets it as an SSE "
+                         "`error` event, then `[DONE]`)"),
     (503, LOADING, "a request before the weights are loaded"),
     (404, NO_ROUTE, "any other method or path"),
 ]
 
 __all__ = ["EngineServer", "run_until_signal", "BUSY_MESSAGE", "Limits"]
+
+# ``GET /metrics``'s body: a function returning (bytes, content type), set by the metrics module
+# (e.g. ``server.render_metrics = registry_renderer``); None answers 404 NO_METRICS.
+MetricsRenderer = "Callable[[], tuple[bytes, str]]"
 
 
 class EngineServer(FrontDoorServer):
@@ -76,10 +96,25 @@ class EngineServer(FrontDoorServer):
         self.model_name = model_name
         self.ready = engine is not None
         self.created = int(time.time())
+        self.draining = False  # a SIGTERM came: /health is 503 from then on (engine/drain.py)
+        self.aborting = threading.Event()  # the drain's deadline passed: running completions end with an error
+        self.render_metrics = None  # MetricsRenderer, or None (404)
+        self.shutdown_delay, self.shutdown_timeout = SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S
         super().__init__(address, _Handler, limits, sock)
         # Answer from now on, while the engine loads: /health (and completions) are 503 until ready.
         self.serving = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self.serving.start()
+
+
+    @classmethod
+    def from_args(cls, args, engine, sock=None) -> EngineServer:
+        """The server ``wcache serve``'s flags describe (flags the parser lacks keep their defaults)."""
+        limits = Limits(max_connections=getattr(args, "max_concurrent_connections", DEFAULT_LIMITS.max_connections))
+        server = cls((args.host, args.port), engine, args.model, limits=limits, sock=sock)
+        server.log_requests = not getattr(args, "disable_log_requests", False)
+        server.shutdown_delay = getattr(args, "shutdown_delay", SHUTDOWN_DELAY_S)
+        server.shutdown_timeout = getattr(args, "shutdown_timeout", SHUTDOWN_TIMEOUT_S)
+        return server
 
 
 class _Handler(FrontDoorHandler):
@@ -88,14 +123,31 @@ class _Handler(FrontDoorHandler):
     def _error(self, status: int, message: str, param: str | None = None) -> None:
         self.send_json(status, api.error_body(status, message, param))
 
-    def do_GET(self):
-        self.begin_answer()
+    def answer_lane(self):
+        """GET or HEAD of /health, /version, /metrics (http_front.py routes them here, on their own budget)."""
+        server = self.server
         if self.path == "/health":
-            if self.server.ready:
+            if server.draining:
+                self.send_json(503, {"status": "draining"})
+            elif server.ready:
                 self.send_json(200, {"status": "ok"})
             else:
                 self.send_json(503, {"status": "loading"})
-        elif self.path == "/v1/models":
+        elif self.path == "/version":
+            engine = server.engine if server.ready else None
+            self.send_json(200, version_body(engine.cfg.device if engine is not None else None))
+        else:
+            # The hook, or the metrics module's EngineMetrics (server.metrics) once it is merged in.
+            render = server.render_metrics or getattr(getattr(server, "metrics", None), "render_metrics", None)
+            if render is None:
+                self._error(404, NO_METRICS)
+                return
+            body, content_type = render()
+            self.send_bytes(200, body, content_type)
+
+    def do_GET(self):
+        self.begin_answer()
+        if self.path == "/v1/models":
             engine = self.server.engine if self.server.ready else None
             self.send_json(200, api.models_body(self.server.model_name, self.server.created,
                                                 engine.max_model_len if engine is not None else None))
@@ -158,24 +210,55 @@ class _Handler(FrontDoorHandler):
         except api.ApiError as e:
             self.send_json(e.status, e.body())
             return
+        record, aborting = self.record, self.server.aborting
+        if aborting.is_set():
+            self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
+            return
         if req.stream:
             self._stream(engine, req)
             return
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop)
+        gone = cut = False
+
+        def on_text(_piece: str) -> bool:
+            # Asked at each new piece of text: the client left (nobody to answer), or the drain's
+            # deadline passed. Either stops decoding at this token.
+            nonlocal gone, cut
+            record.token()
+            gone = gone or peer_closed(self.connection)
+            cut = cut or aborting.is_set()
+            return gone or cut
+
+        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+        record.prompt_tokens, record.generation_tokens = done.prompt_tokens, len(done.token_ids)
+        if gone:
+            self.close_connection = True
+            record.status = CLIENT_CLOSED
+            return
+        if cut:
+            self.close_connection = True
+            self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
+            return
         self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
 
     def _stream(self, engine, req: api.CompletionRequest) -> None:
         """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
         finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
-        thread; a client that goes away stops the decoding at its next token."""
+        thread; a client that goes away stops the decoding at its next token, and so does the drain's
+        deadline, which ends the stream with an ``error`` event and ``[DONE]``."""
         cid, created, model = api.new_id(), int(time.time()), self.server.model_name
         pieces: queue.Queue = queue.Queue()
         gone = threading.Event()
+        record, aborting = self.record, self.server.aborting
+
+        def on_text(piece: str) -> bool:
+            record.token()
+            pieces.put(("text", piece))
+            return gone.is_set() or aborting.is_set()
 
         def run() -> None:
             try:
                 pieces.put(("done", engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop,
-                                                    on_text=lambda piece: pieces.put(("text", piece)) or gone.is_set())))
+                                                    on_text=on_text)))
             except BaseException as e:  # reported below, on the request's thread
                 pieces.put(("error", e))
 
@@ -199,9 +282,14 @@ class _Handler(FrontDoorHandler):
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
                 return
-            self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
-            if req.include_usage:
-                self._event(api.usage_chunk(cid, created, model, item), gone)
+            record.prompt_tokens, record.generation_tokens = item.prompt_tokens, len(item.token_ids)
+            if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
+                self.close_connection = True
+                self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
+            else:
+                self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
+                if req.include_usage:
+                    self._event(api.usage_chunk(cid, created, model, item), gone)
             self._event(api.DONE, gone)
             if not gone.is_set() and self.chunked:
                 try:
@@ -210,6 +298,7 @@ class _Handler(FrontDoorHandler):
                     gone.set()
             if gone.is_set():
                 self.close_connection = True
+                record.status = CLIENT_CLOSED
             return
 
     def _event(self, payload, gone: threading.Event) -> None:
@@ -223,11 +312,18 @@ class _Handler(FrontDoorHandler):
 
 
 def run_until_signal(server: EngineServer, on_stop=None) -> None:
-    """Serve until SIGINT or SIGTERM, then close the listening socket and run ``on_stop``."""
-    stop = threading.Event()
+    """Serve until SIGTERM or SIGINT, then drain (engine/drain.py), close the listening socket and
+    run ``on_stop``. SIGTERM (Kubernetes, docker stop) keeps accepting for ``shutdown_delay`` first;
+    SIGINT (Ctrl-C at a terminal, where no load balancer routes) and a second signal skip the rest
+    of that delay; the in-flight requests still get their ``shutdown_timeout``."""
+    stop, again = threading.Event(), threading.Event()
+    first: list[int] = []
 
     def handle(signum, _frame):
-        log.info("Received %s, shutting down", signal.Signals(signum).name)
+        server.draining = True  # /health 503 from this instant, before the drain's own log line
+        if stop.is_set() or signum == signal.SIGINT:
+            again.set()
+        first.append(signum)
         stop.set()
 
     old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -236,6 +332,8 @@ def run_until_signal(server: EngineServer, on_stop=None) -> None:
         while not stop.wait(0.2):
             if not thread.is_alive():
                 break
+        if first:
+            drain(server, signal.Signals(first[0]).name, server.shutdown_delay, server.shutdown_timeout, again)
     finally:
         server.shutdown()
         server.server_close()
