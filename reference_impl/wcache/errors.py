@@ -35,11 +35,51 @@ class ParallelConfigError(UserError):
 
 
 class UnsupportedQuantForIPCError(UserError):
+    # Upstream's text, then why the method cannot be cached and what to do instead.
     TEMPLATE = ("UnsupportedQuantForIPCError: quantization method '{method}' does not support pre-processed "
-                "weights, so the weight cache cannot serve it; use --load-format safetensors")
+                "weights, so the weight cache cannot serve it: {reason}")
+    REPACKED = ("its kernels repack the checkpoint's weights after loading (vLLM refuses {method} for its weight "
+                "cache too), and wcache has no {method} kernels to load it from disk either: serve this "
+                "checkpoint without a weight cache, with an engine that runs {method}")
 
-    def __init__(self, method: str):
-        super().__init__(self.TEMPLATE.format(method=method))
+    def __init__(self, method: str, reason: str | None = None):
+        super().__init__(self.TEMPLATE.format(method=method, reason=reason or self.REPACKED.format(method=method)))
+
+
+class QuantizationError(UserError):
+    """A quantization method or quantized checkpoint the engine cannot run (model/quant.py)."""
+
+    UNKNOWN = "Unknown quantization method {name!r}; supported: {supported}"
+    # vLLM's ModelConfig text when --quantization and config.json's quantization_config disagree.
+    MISMATCH = ("Quantization method specified in the model config ({config}) does not match the quantization "
+                "method specified in the `quantization` argument ({arg}).")
+    NOT_IMPLEMENTED = ("Quantization method '{method}' ({what}) is not implemented in wcache: it runs unquantized, "
+                       "int8 and fp8 weights (block-wise FP8 checkpoints, or --quantization fp8 on an unquantized "
+                       "checkpoint)")
+    NO_KERNELS = ("Quantization method '{method}' needs {method} kernels, which wcache does not have: serve this "
+                  "checkpoint with an engine that runs {method}")
+    OLD_GPTQ = ("; wcache's load-time grouped int4 method, formerly called 'gptq', was removed: use "
+                "--quantization int8 or fp8 on an unquantized checkpoint")
+    BLOCK_WITHOUT_FP8 = "--weight-block-size applies to `wcache make-checkpoint --quantization fp8` only"
+    FP8_FIELD = "FP8 checkpoint {path}: quantization_config.{field} is {value}; {why}"
+    FP8_WHY = {
+        "activation_scheme": "wcache quantizes activations dynamically only (\"dynamic\")",
+        "weight_block_size": "wcache reads block-wise FP8 checkpoints: two positive integers, e.g. [128, 128]",
+        "scale_fmt": "wcache reads float32 block scales only (\"float\")",
+    }
+    # vLLM's texts (validate_fp8_block_shape) behind which tensor and which split.
+    BLOCK_SPLIT_OUT = ("Cannot split {tensor} over {tp} tensor-parallel ranks: Weight output_partition_size = "
+                       "{size} is not divisible by weight quantization block_n = {block}.")
+    BLOCK_SPLIT_IN = ("Cannot split {tensor} over {tp} tensor-parallel ranks: Weight input_size_per_partition = "
+                      "{size} is not divisible by weight quantization block_k = {block}.")
+    BLOCK_FUSED = ("Cannot fuse {tensor} into {fused}: its {size} output channels are not a multiple of the weight "
+                   "quantization block_n = {block}, so the fused block grid would not line up")
+    PARTLY_CONVERTED = ("Detected some but not all shards of {prefix} are quantized. All shards of fused layers "
+                        "to have the same precision.")
+    MISSING_SCALE = ("FP8 checkpoint {path} lacks {name}: quantization_config says {tensor} is stored block-wise "
+                     "in FP8 (list it in modules_to_not_convert if it is not)")
+    SCALE_SHAPE = ("FP8 checkpoint {path}: {name} is {shape}, but a {weight} weight with blocks of {block} needs "
+                   "scales of {expected}")
 
 
 class UnsupportedPlatformForIPCError(UserError):

@@ -51,7 +51,12 @@ def write(entry: dict) -> Path:
 
 
 def reference(model_dir: Path, entry: dict, dtype: torch.dtype) -> dict:
-    model = LlamaForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype)).eval()
+    extra = {}
+    if entry.get("fp8_dequantize"):
+        from transformers import FineGrainedFP8Config
+
+        extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    model = LlamaForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype), **extra).eval()
     ids = list(entry["prompt"])
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()

@@ -27,7 +27,7 @@ from wcache.errors import (
 )
 from wcache.engine.loading.config import LOADER_KEYS
 
-GPTQ = UnsupportedQuantForIPCError.TEMPLATE.format(method="gptq")
+GPTQ = str(UnsupportedQuantForIPCError("gptq"))  # upstream's text and the reason
 
 
 def serve(model, *extra):

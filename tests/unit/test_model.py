@@ -1,4 +1,5 @@
-"""The model against an independent reference, TP slicing, int8, and the cache-refused method."""
+"""The model against an independent reference, TP slicing, int8, and the methods known by name and
+refused (FP8 has its own file, test_fp8.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.model.llama import BindError, ModelShape, bind_weights, build_meta_model, generate
 from wcache.core.postprocess import fused_gate_up, fused_qkv, split_cols, split_rows
+from wcache.errors import UnsupportedQuantForIPCError
 from wcache.model.quant import (
+    CHOICES,
     METHODS,
-    GroupInt4,
+    Fp8Online,
     Int8WeightOnly,
     QuantizationError,
     QuantMethod,
+    Refused,
+    refuse_for_cache,
     resolve,
 )
 
@@ -227,16 +232,47 @@ def test_int8_model_output_is_within_tolerance_of_unquantized(tiny_model):
     assert generate(q, PROMPT, 6) == generate(ref, PROMPT, 6)
 
 
-def test_only_the_gptq_labelled_method_refuses_pre_processed_weights():
-    assert GroupInt4.name == "gptq" and GroupInt4().supports_pre_processed_weights is False
-    assert QuantMethod().supports_pre_processed_weights is True
-    assert Int8WeightOnly().supports_pre_processed_weights is True
-    assert sorted(METHODS) == ["gptq", "int8", "none"]
-    assert isinstance(resolve(None, {"quantization_config": {"quant_method": "gptq"}}), GroupInt4)
-    assert isinstance(resolve("int8", {"quantization_config": {"quant_method": "gptq"}}), Int8WeightOnly)
+def test_methods_run_here_and_the_upstream_names_refused():
+    assert sorted(METHODS) == ["fp8", "int8", "none"]
+    assert all(m().supports_pre_processed_weights for m in METHODS.values())
+    assert CHOICES == ["awq", "compressed-tensors", "fp8", "gptq", "int8", "modelopt", "modelopt_fp4", "mxfp4", "none"]
     assert type(resolve(None, {})) is QuantMethod
-    with pytest.raises(QuantizationError, match=r"Unknown quantization method 'awq'; supported: \['gptq', 'int8', 'none'\]"):
-        resolve("awq", {})
+    assert isinstance(resolve("fp8", {}), Fp8Online)
+    with pytest.raises(QuantizationError, match=r"Unknown quantization method 'bitsandbytes'; supported: \['awq', "):
+        resolve("bitsandbytes", {})
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
+def test_repacking_methods_are_refused_for_the_cache_as_upstream_does_and_cannot_run_from_disk(method):
+    for q in (resolve(None, {"quantization_config": {"quant_method": method}}), resolve(method, {})):
+        assert isinstance(q, Refused) and q.supports_pre_processed_weights is False
+        with pytest.raises(UnsupportedQuantForIPCError) as e:
+            refuse_for_cache(q)
+        assert str(e.value) == UnsupportedQuantForIPCError.TEMPLATE.format(
+            method=method, reason=UnsupportedQuantForIPCError.REPACKED.format(method=method))
+        with pytest.raises(QuantizationError, match=f"Quantization method '{method}' needs {method} kernels"):
+            q.check_loadable()
+    with pytest.raises(QuantizationError, match="formerly called 'gptq', was removed"):
+        resolve("gptq", {}).check_loadable()
+
+
+@pytest.mark.parametrize("qc, name", [({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVIDIA ModelOpt NVFP4"),
+                                      ({"quant_method": "mxfp4"}, "OCP MXFP4, as GPT-OSS ships")])
+def test_nvfp4_and_mxfp4_are_refused_by_name_as_not_implemented(qc, name):
+    q = resolve(None, {"quantization_config": qc})
+    assert q.supports_pre_processed_weights  # upstream caches them: only not implemented here
+    expected = QuantizationError.NOT_IMPLEMENTED.format(method=qc["quant_method"], what=name)
+    for check in (q.check_loadable, lambda: refuse_for_cache(q)):
+        with pytest.raises(QuantizationError) as e:
+            check()
+        assert str(e.value) == expected
+
+
+def test_quantization_flag_must_name_the_checkpoints_method_as_in_vllm():
+    with pytest.raises(QuantizationError) as e:
+        resolve("int8", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert str(e.value) == ("Quantization method specified in the model config (fp8) does not match the quantization "
+                            "method specified in the `quantization` argument (int8).")
 
 
 # -- binding and stages ----------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def _warm_device(cfg) -> None:
 def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = None) -> dict:
     """One timed load in a new interpreter, as an engine restart does it: the page cache is warm,
     but the process (its allocator, its mappings) is new. Timing starts inside, after imports."""
-    spec = {"model": args.model, "dtype": args.dtype, "device": args.device, "load_format": load_format,
+    spec = {"model": args.model, "dtype": args.dtype, "quantization": getattr(args, "quantization", None),
+            "device": args.device, "load_format": load_format,
             "loader": asdict(lc) if lc else None}
     out = subprocess.run([sys.executable, "-m", "wcache.bench.handoff", json.dumps(spec)], capture_output=True,
                          text=True, timeout=1800)
@@ -65,7 +66,7 @@ def _sample_main(spec: dict) -> None:
     from wcache.core import disk  # noqa: F401
     from wcache.engine.loading import ipc_cache  # noqa: F401  (imports are process start-up, outside every sample)
 
-    cfg = EngineConfig.build(spec["model"], spec["dtype"], None, spec["device"])
+    cfg = EngineConfig.build(spec["model"], spec["dtype"], spec["quantization"], spec["device"])
     _warm_device(cfg)
     lc = LoaderConfig(**spec["loader"]) if spec["loader"] else None
     elapsed, (_weights, report, _lease) = _timed_load(cfg, spec["load_format"], lc)

@@ -17,16 +17,22 @@ from wcache.daemon.launcher import READY
 START_TIMEOUT_S = 1800  # a daemon loading a large checkpoint from a cold disk
 
 
+def quantization_flag(quantization: str | None) -> list[str]:
+    """``--quantization`` for a daemon or an engine of the bench, when `wcache bench` was given one."""
+    return ["--quantization", quantization] if quantization else []
+
+
 class DaemonUnderTest:
     """A real `wcache preload` in a private socket directory, for the length of a measurement."""
 
     def __init__(self, model: str, device: str, dtype: str, socket_dir: Path, transport: str = "auto",
-                 extra: tuple[str, ...] = (), log_name: str = "daemon.log", wait: bool = True):
+                 extra: tuple[str, ...] = (), log_name: str = "daemon.log", wait: bool = True,
+                 quantization: str | None = None):
         """Started, and unless ``wait`` is False (a standby: restart.py) READY."""
         self.socket_dir = socket_dir
         cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "preload", "--model", model,
                "--device", device, "--dtype", dtype, "--weight-cache-socket-dir", str(socket_dir),
-               "--weight-cache-transport", transport, *extra]
+               "--weight-cache-transport", transport, *quantization_flag(quantization), *extra]
         self.log_path = socket_dir.parent / log_name
         self.start = len(self.log_path.read_bytes()) if self.log_path.exists() else 0
         self.log = open(self.log_path, "ab")

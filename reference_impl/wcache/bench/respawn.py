@@ -30,7 +30,7 @@ from pathlib import Path
 
 from wcache.bench.api import complete, free_port
 from wcache.bench.failure import bench_failure
-from wcache.bench.processes import rss_bytes, terminate
+from wcache.bench.processes import quantization_flag, rss_bytes, terminate
 from wcache.engine.respawn import STABLE_S
 from wcache.engine.spare import SPARE_READY
 from wcache.wire.sockets import short_private_dir
@@ -122,7 +122,8 @@ class Serving:
         self.port = free_port()
         self.log_path = work / f"serve-{self.port}.log"
         argv = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "serve", args.model, "--device", args.device,
-                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format]
+                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format,
+                *quantization_flag(args.quantization)]
         if lc is not None:
             argv += ["--model-loader-extra-config", json.dumps(lc)]
         if respawn:
@@ -210,7 +211,7 @@ def run_bench_respawn(args) -> int:
     from wcache.bench.processes import DaemonUnderTest
     from wcache.core.config import EngineConfig
 
-    cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
+    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device)
     args.device = cfg.device
     n = max(1, args.repeat)
     work = short_private_dir("wcache-respawn-")  # short whatever TMPDIR is: a socket path fits
@@ -218,7 +219,8 @@ def run_bench_respawn(args) -> int:
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")
     lc = {"socket_dir": str(sockets), "fallback": False}
-    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
+    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
+                             quantization=args.quantization)
     try:
         respawn = respawn_samples(args, work, lc, n)
         starts = fresh_starts(args, work, lc, n)

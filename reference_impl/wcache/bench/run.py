@@ -38,7 +38,7 @@ def run_bench(args) -> int:
 
 
 def _run_bench(args, work: Path) -> int:
-    cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
+    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device)
     env = environment(cfg.device)
     n = max(1, args.repeat)
     sockets = work / "s"
@@ -64,7 +64,8 @@ def _run_bench(args, work: Path) -> int:
     zero_copy, copy, phases, copy_phases = [], [], [], []
     lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
     lc_copy = LoaderConfig(mode="copy", fallback=True, socket_dir=str(sockets))
-    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
+    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
+                                     quantization=args.quantization)
     try:
         for _ in range(n):
             r = sample_in_fresh_process(args, "ipc_cache", lc_zero)
@@ -75,20 +76,23 @@ def _run_bench(args, work: Path) -> int:
             # Copy mode releases the daemon's weights, so each sample gets a fresh daemon.
             if i:
                 daemon.stop()
-                daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
+                daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
+                                     quantization=args.quantization)
             r = sample_in_fresh_process(args, "ipc_cache", lc_copy)
             copy.append(r["seconds"])
             copy_phases.append(r["phases"])
             nbytes = r["nbytes"]
         # The restart a user lives through: engine process start to /health 200, disk and cache.
         daemon.stop()
-        daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport)
+        daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
+                                     quantization=args.quantization)
         from wcache.bench.restart import handback_restart
         from wcache.bench.start import engine_starts
 
         engine_start = engine_starts(args, work, lc_zero, n)
         handback = handback_restart(args, work, daemon, lc_zero, lambda **kw: DaemonUnderTest(
-            cfg.model, cfg.device, args.dtype, sockets, args.transport, **kw), tensors_kind)
+            cfg.model, cfg.device, args.dtype, sockets, args.transport, quantization=args.quantization, **kw),
+            tensors_kind)
         daemon = handback.pop("daemon")
     finally:
         daemon.stop()
@@ -98,7 +102,8 @@ def _run_bench(args, work: Path) -> int:
     result = {
         "environment": env,
         "transport": tensors_kind,
-        "model": {"path": cfg.model, "tensors": tensors, "bytes": nbytes, "dtype": cfg.dtype_name},
+        "model": {"path": cfg.model, "tensors": tensors, "bytes": nbytes, "dtype": cfg.dtype_name,
+                  "quantization": cfg.quant.config()},
         "repeat": n,
         "sampling": "each sample in a fresh process (page cache warm, process new)",
         "seconds": {**{k: round(v, 6) for k, v in med.items()},

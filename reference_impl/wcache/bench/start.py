@@ -19,7 +19,7 @@ from pathlib import Path
 
 from wcache.bench.api import free_port, healthy
 from wcache.bench.failure import bench_failure
-from wcache.bench.processes import terminate
+from wcache.bench.processes import quantization_flag, terminate
 
 ENGINE_PHASES = ("interpreter", "imports", "cuda_context", "weights", "autotune", "activation_peak", "kv_alloc", "other")
 START_TIMEOUT_S = 1800  # to /health 200, a large checkpoint read from a cold disk included
@@ -36,7 +36,8 @@ class EngineUnderTest:
         self.marks_path = work / f"marks-{self.port}.jsonl"
         self.log_path = work / f"engine-{self.port}.log"
         argv = ["--log-level", "INFO", "serve", args.model, "--device", args.device, "--dtype", args.dtype,
-                "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format]
+                "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format,
+                *quantization_flag(getattr(args, "quantization", None))]
         if lc is not None:
             argv += ["--model-loader-extra-config", json.dumps({k: v for k, v in asdict(lc).items()
                                                                 if k in ("mode", "socket_dir", "fallback")})]

@@ -59,7 +59,12 @@ def cmd_make_checkpoint(args) -> int:
     t0 = time.perf_counter()
     from wcache.core.checkpoint import make_checkpoint
 
-    out = make_checkpoint(args.dir, args.preset, args.tie_embeddings, args.seed, args.dtype)
+    from wcache.errors import QuantizationError
+
+    if args.weight_block_size is not None and args.quantization != "fp8":
+        raise QuantizationError(QuantizationError.BLOCK_WITHOUT_FP8)
+    out = make_checkpoint(args.dir, args.preset, args.tie_embeddings, args.seed, args.dtype,
+                          quantization=args.quantization, weight_block_size=args.weight_block_size)
     files = sorted(p.name for p in out.iterdir())
     print(f"Wrote {args.preset} checkpoint to {out} in {time.perf_counter() - t0:.1f} s: {', '.join(files)}")
     return 0

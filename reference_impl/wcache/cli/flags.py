@@ -28,15 +28,21 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares embed_tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights: the same seed, the same bytes")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the stored weights")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
+                   help="fp8: store every decoder projection block-wise in FP8 as transformers does (float8_e4m3fn "
+                        "weights, float32 weight_scale_inv per block, quantization_config in config.json)")
+    p.add_argument("--weight-block-size", type=_positive, default=None, metavar="N",
+                   help="FP8 block of N x N weights (default: 128; 32 for the tiny and tensors-10k presets, "
+                        "whose heads are 32 wide)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from wcache.core.config import DTYPE_CHOICES
-    from wcache.model.quant import METHODS
+    from wcache.model.quant import CHOICES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
-    p.add_argument("--quantization", "-q", default=None, choices=sorted(METHODS),
+    p.add_argument("--quantization", "-q", default=None, choices=CHOICES,
                    help="quantization method; default: the checkpoint's quantization_config, else none")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto picks cuda when available")
@@ -226,10 +232,19 @@ def add_preload_args(p) -> None:
                         "local rank, in local rank order")
 
 
+def _quantization_choices() -> list[str]:
+    from wcache.model.quant import CHOICES
+
+    return CHOICES
+
+
 def add_bench_args(p) -> None:
     p.add_argument("--model", required=True, help="model directory to time")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto picks cuda when available")
     p.add_argument("--dtype", default="auto", help="as serve's --dtype")
+    p.add_argument("--quantization", "-q", default=None, choices=_quantization_choices(),
+                   help="as serve's --quantization, for the daemon and every engine (e.g. fp8: the daemon "
+                        "quantizes once, a disk start quantizes on every start)")
     p.add_argument("--transport", default="auto", choices=["auto", "cuda_ipc", "vmm_fd"],
                    help="the daemon's --weight-cache-transport (CUDA only)")
     p.add_argument("--repeat", type=int, default=3, help="samples per source; the median is reported")

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from wcache.core import llama_config
-from wcache.model import tokenizer
+from wcache.model import fp8, tokenizer
 from wcache.errors import UserError
 
 
@@ -33,20 +33,37 @@ class Preset:
     max_position_embeddings: int
     rope_theta: float
     max_shard_bytes: int
+    # FP8 checkpoints (--quantization fp8): the weight block. 128x128 as the field ships; the narrow
+    # presets use 32, their head_dim, so that a block never straddles a head: k and v have 64 rows
+    # (fused q/k/v lines up on the block grid) and 32 per rank at tensor-parallel size 2.
+    fp8_block: int = 128
 
 
 PRESETS: dict[str, Preset] = {
     # A few MB; two shards so every test exercises the sharded layout and its index.
-    "tiny": Preset(128, 384, 4, 4, 2, 512, 512, 10000.0, 1 << 20),
+    "tiny": Preset(128, 384, 4, 4, 2, 512, 512, 10000.0, 1 << 20, fp8_block=32),
     # About 500 MB in bf16: big enough that disk and cache timings differ by orders of magnitude.
     "small": Preset(1024, 2816, 16, 16, 4, 32000, 2048, 10000.0, 256 << 20),
     # The shapes of Llama-3.1-8B: 291 tensors, about 16 GB in bf16.
     "llama-8b": Preset(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, 5 << 30),
     # 1,667 narrow layers: 10,005 post-processed tensors (about 650 MB), for the per-tensor cost.
-    "tensors-10k": Preset(128, 384, 1667, 4, 2, 512, 512, 10000.0, 1 << 30),
+    "tensors-10k": Preset(128, 384, 1667, 4, 2, 512, 512, 10000.0, 1 << 30, fp8_block=32),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTIZATIONS = ("none", "fp8")  # what make-checkpoint writes: fp8 = transformers' block-wise layout
+LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_quantization_config(block: int) -> dict:
+    """config.json's quantization_config of an FP8 checkpoint, as transformers' FineGrainedFP8Config
+    and the published FP8 models write it; the LM head stays unquantized, as transformers keeps it."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block],
+            "modules_to_not_convert": ["lm_head"]}
+
+
+def is_quantized_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
 
 
 def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
@@ -115,11 +132,18 @@ def make_checkpoint(
     seed: int = 0,
     dtype: str = "bfloat16",
     max_shard_bytes: int | None = None,
+    quantization: str = "none",
+    weight_block_size: int | None = None,
 ) -> Path:
+    """``quantization="fp8"``: every decoder projection's weights (the same values the unquantized
+    checkpoint of this seed holds, in ``dtype``) quantized block-wise to float8_e4m3fn with a float32
+    ``weight_scale_inv`` per block of ``weight_block_size`` (default: the preset's ``fp8_block``)."""
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if dtype not in DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"Unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
     p = PRESETS[preset]
     limit = max_shard_bytes or p.max_shard_bytes
     out = Path(out_dir)
@@ -128,12 +152,46 @@ def make_checkpoint(
     shapes = tensor_shapes(cfg)
     torch_dtype = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    block = None
+    if quantization == "fp8":
+        block = weight_block_size or p.fp8_block
+        if block <= 0:
+            raise ValueError(f"weight_block_size must be positive, got {block}")
+        cfg["quantization_config"] = fp8_quantization_config(block)
+        quantized = {}
+        for name, shape in shapes.items():
+            quantized[name] = shape
+            if is_quantized_linear(name):
+                quantized[name + "_scale_inv"] = (-(-shape[0] // block), -(-shape[1] // block))
+        shapes = quantized
 
-    # Plan shards first (by byte size, in checkpoint order) so file names carry the shard count.
+    def stored_bytes(name: str, shape: tuple[int, ...]) -> int:
+        if block is None or not (is_quantized_linear(name) or name.endswith("_scale_inv")):
+            return itemsize * _numel(shape)
+        return (4 if name.endswith("_scale_inv") else 1) * _numel(shape)
+
+    def tensors_of(names: list[str]) -> dict[str, torch.Tensor]:
+        made = {}
+        for n in names:
+            if n.endswith("_scale_inv"):
+                continue  # written with its weight
+            t = random_tensor(seed, n, shapes[n], torch_dtype)
+            if block is not None and is_quantized_linear(n):
+                made[n], made[n + "_scale_inv"] = fp8.quantize_blockwise(t, (block, block))
+            else:
+                made[n] = t
+        return made
+
+    # Plan shards first (by byte size, in checkpoint order) so file names carry the shard count; a
+    # weight and its scale share a shard.
     shards: list[list[str]] = [[]]
     used = 0
     for name, shape in shapes.items():
-        nbytes = itemsize * _numel(shape)
+        nbytes = stored_bytes(name, shape)
+        if name.endswith("_scale_inv"):
+            shards[-1].append(name)
+            used += nbytes
+            continue
         if shards[-1] and used + nbytes > limit:
             shards.append([])
             used = 0
@@ -145,7 +203,7 @@ def make_checkpoint(
     total_size = 0
     for idx, names in enumerate(shards, start=1):
         fname = "model.safetensors" if total == 1 else f"model-{idx:05d}-of-{total:05d}.safetensors"
-        tensors = {n: random_tensor(seed, n, shapes[n], torch_dtype) for n in names}
+        tensors = tensors_of(names)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for n, t in tensors.items():
             weight_map[n] = fname
@@ -202,7 +260,8 @@ def stored_dtype(model_dir: str | os.PathLike) -> str | None:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"Cannot read the safetensors header of {path}: {e}") from None
     for name, entry in header.items():
-        if name != "__metadata__" and entry["dtype"] in STORED_DTYPES:
+        # FP8 checkpoints keep float32 block scales beside FP8 weights: the scales say nothing.
+        if name != "__metadata__" and entry["dtype"] in STORED_DTYPES and not name.endswith("_scale_inv"):
             return STORED_DTYPES[entry["dtype"]]
     return None
 

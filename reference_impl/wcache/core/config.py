@@ -65,7 +65,7 @@ class EngineConfig:
                 if dtype == "auto" else dtype)
         if name not in checkpoint.DTYPES:
             raise ValueError(f"Unsupported dtype {name!r}; choose one of {DTYPE_CHOICES}")
-        return cls(model=str(model), hf=hf, dtype=checkpoint.DTYPES[name], quant=quant.resolve(quantization, hf),
+        return cls(model=str(model), hf=hf, dtype=checkpoint.DTYPES[name], quant=quant.resolve(quantization, hf, str(Path(model) / "config.json")),
                    device=resolve_device(device), ranks=ranks, revision=revision or "main")
 
     @classmethod

@@ -17,14 +17,16 @@ log = logging.getLogger("wcache.disk")
 
 
 def read_checkpoint(cfg: EngineConfig, show_progress: bool = True) -> dict[str, torch.Tensor]:
-    wanted = set(needed_checkpoint_names(cfg.shape))
+    wanted = set(needed_checkpoint_names(cfg.shape, cfg.quant))
     device = str(cfg.torch_device)
     raw: dict[str, torch.Tensor] = {}
     files = checkpoint.shard_files(cfg.model)
     for path in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=not show_progress):
         with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():
-                if name in wanted:
+                # An FP8 tensor the model keeps unquantized brings its block scale along (postprocess
+                # up-casts it once).
+                if name in wanted or name.removesuffix("_scale_inv") in wanted:
                     raw[name] = f.get_tensor(name)
     missing = sorted(wanted - set(raw))
     if missing:
@@ -34,6 +36,7 @@ def read_checkpoint(cfg: EngineConfig, show_progress: bool = True) -> dict[str, 
 
 def load_processed(cfg: EngineConfig, show_progress: bool = True) -> ProcessedWeights:
     t0 = time.perf_counter()
+    cfg.quant.check_loadable()  # before reading: a method the engine cannot run is refused at once
     raw = read_checkpoint(cfg, show_progress)
     weights = postprocess(raw, cfg.shape, cfg.quant, cfg.dtype, tp_rank=cfg.ranks.tp_rank)
     if cfg.device == "cuda":

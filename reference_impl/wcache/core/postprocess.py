@@ -1,7 +1,9 @@
 """Turn Hugging Face checkpoint tensors into the engine's post-processed weights for one rank.
 
 This is the expensive, cacheable part of loading: slice for the tensor-parallel rank, keep only the
-pipeline stage's layers, fuse q/k/v and gate/up, quantize, cast. The daemon runs exactly this code
+pipeline stage's layers, fuse q/k/v and gate/up, quantize, cast. The quantization method decides how
+a projection is read, sliced and fused: an FP8 checkpoint's weights are sliced together with their
+block scales, along the block grid (a slice that would cut a block is refused, naming the sizes). The daemon runs exactly this code
 once; the engine's disk path runs it on every start.
 """
 
@@ -11,33 +13,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wcache.model.llama import ModelShape
+from wcache.model import fp8
+from wcache.model.llama import HF_PARTS, ModelShape
 from wcache.model.quant import QuantMethod
 
 
 def split_rows(w: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Column-parallel slice: this rank's block of output channels (dim 0)."""
-    if w.shape[0] % size:
-        raise ValueError(f"Cannot split {w.shape[0]} output channels over {size} ranks")
-    n = w.shape[0] // size
-    return w[rank * n : (rank + 1) * n]
+    return QuantMethod().split_rows({"weight": w}, rank, size, "")["weight"]
 
 
 def split_cols(w: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Row-parallel slice: this rank's block of input channels (dim 1)."""
-    if w.shape[1] % size:
-        raise ValueError(f"Cannot split {w.shape[1]} input channels over {size} ranks")
-    n = w.shape[1] // size
-    return w[:, rank * n : (rank + 1) * n]
+    return QuantMethod().split_cols({"weight": w}, rank, size, "")["weight"]
 
 
 def fused_qkv(q, k, v, rank: int, size: int) -> torch.Tensor:
-    # Heads are contiguous rows, so a row block of each projection is a block of whole heads.
     return torch.cat([split_rows(q, rank, size), split_rows(k, rank, size), split_rows(v, rank, size)])
 
 
 def fused_gate_up(gate, up, rank: int, size: int) -> torch.Tensor:
     return torch.cat([split_rows(gate, rank, size), split_rows(up, rank, size)])
+
+
+# Heads are contiguous rows, so a row block of each of q, k and v is a block of whole heads; the
+# attention output and MLP down projections are split along their input channels instead.
+ROW_PARALLEL = ("attn.o", "mlp.down")
 
 
 @dataclass
@@ -64,18 +65,20 @@ class ProcessedWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def needed_checkpoint_names(s: ModelShape) -> list[str]:
-    """Checkpoint tensors this rank's stage reads (a pipeline stage skips the others' layers)."""
+def needed_checkpoint_names(s: ModelShape, quant: QuantMethod | None = None) -> list[str]:
+    """Checkpoint tensors this rank's stage reads (a pipeline stage skips the others' layers), with
+    the block scales of each FP8 projection (``quant``: the checkpoint's method)."""
+    quant = quant or QuantMethod()
     names = []
     if s.first_stage or (s.last_stage and s.tie_embeddings):
         names.append("model.embed_tokens.weight")
     for n in s.layer_range:
         p = f"model.layers.{n}."
-        names += [p + x for x in (
-            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-        )]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for fused, parts in HF_PARTS.items():
+            hf = [p + part for part in parts]
+            leaves = quant.for_linear(hf).checkpoint_leaves()
+            names += [f"{module}.{leaf}" for module in hf for leaf in leaves]
     if s.last_stage:
         names.append("model.norm.weight")
         if not s.tie_embeddings:
@@ -91,32 +94,49 @@ def postprocess(
     tp = s.tp_size
     if s.num_kv_heads % tp or s.num_heads % tp:
         raise ValueError(f"{s.num_heads} heads / {s.num_kv_heads} KV heads cannot be split over {tp} ranks")
+    quant.check_loadable()
     out: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
 
-    def linear(name: str, w: torch.Tensor) -> None:
-        for leaf, t in quant.quantize(w, dtype).items():
+    def plain(name: str) -> torch.Tensor:
+        """A tensor the model keeps unquantized; FP8 with block scales in the checkpoint (an lm_head
+        not listed in modules_to_not_convert) is up-cast once, here."""
+        t = raw.pop(name)
+        scale = raw.pop(name + "_scale_inv", None)
+        if scale is not None:
+            block = (fp8.ceil_div(t.shape[0], scale.shape[0]), fp8.ceil_div(t.shape[1], scale.shape[1]))
+            t = fp8.dequantize_blockwise(t, scale.float(), getattr(quant, "block", block), dtype)
+        return t.to(dtype).contiguous()
+
+    def linear(name: str, hf: list[str], row_parallel: bool) -> None:
+        """One projection: each checkpoint part sliced for this rank, then fused and stored."""
+        method = quant.for_linear(hf)
+        parts = []
+        for module in hf:
+            part = {leaf: raw.pop(f"{module}.{leaf}") for leaf in method.checkpoint_leaves()
+                    if f"{module}.{leaf}" in raw}
+            if tp > 1:
+                part = (method.split_cols if row_parallel else method.split_rows)(part, tp_rank, tp, module)
+            parts.append(part)
+        for leaf, t in method.process(parts, hf, name, dtype).items():
             out[f"{name}.{leaf}"] = t.contiguous()
 
     if s.first_stage:
-        out["embed.weight"] = raw.pop("model.embed_tokens.weight").to(dtype).contiguous()
+        out["embed.weight"] = plain("model.embed_tokens.weight")
     for n in s.layer_range:
         p = f"model.layers.{n}."
-        q, k, v = (raw.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv")
-        out[f"layers.{n}.attn_norm.weight"] = raw.pop(p + "input_layernorm.weight").to(dtype).contiguous()
-        linear(f"layers.{n}.attn.qkv", fused_qkv(q, k, v, tp_rank, tp))
-        linear(f"layers.{n}.attn.o", split_cols(raw.pop(p + "self_attn.o_proj.weight"), tp_rank, tp))
-        out[f"layers.{n}.mlp_norm.weight"] = raw.pop(p + "post_attention_layernorm.weight").to(dtype).contiguous()
-        gate, up = raw.pop(p + "mlp.gate_proj.weight"), raw.pop(p + "mlp.up_proj.weight")
-        linear(f"layers.{n}.mlp.gate_up", fused_gate_up(gate, up, tp_rank, tp))
-        linear(f"layers.{n}.mlp.down", split_cols(raw.pop(p + "mlp.down_proj.weight"), tp_rank, tp))
+        out[f"layers.{n}.attn_norm.weight"] = plain(p + "input_layernorm.weight")
+        out[f"layers.{n}.mlp_norm.weight"] = plain(p + "post_attention_layernorm.weight")
+        for fused, parts in HF_PARTS.items():
+            linear(f"layers.{n}.{fused}", [p + part for part in parts], row_parallel=fused in ROW_PARALLEL)
     if s.last_stage:
-        out["norm.weight"] = raw.pop("model.norm.weight").to(dtype).contiguous()
+        out["norm.weight"] = plain("model.norm.weight")
         if s.tie_embeddings and "embed.weight" in out:
             aliases["lm_head.weight"] = "embed.weight"
         elif s.tie_embeddings:
-            out["lm_head.weight"] = raw.pop("model.embed_tokens.weight").to(dtype).contiguous()
+            out["lm_head.weight"] = plain("model.embed_tokens.weight")
         else:
-            out["lm_head.weight"] = raw.pop("lm_head.weight").to(dtype).contiguous()
-    attrs = {"quant_method": quant.name, "layers": [s.layer_range.start, s.layer_range.stop]}
+            out["lm_head.weight"] = plain("lm_head.weight")
+    attrs = {"quant_method": quant.name, "quantization_config": quant.config(),
+             "layers": [s.layer_range.start, s.layer_range.stop]}
     return ProcessedWeights(out, aliases, attrs)

@@ -31,6 +31,7 @@ from wcache.core.speculative import (
     parse_speculative_config,
 )
 from wcache.errors import ParallelConfigError
+from wcache.model import quant
 
 log = logging.getLogger("wcache.ranks")
 
@@ -128,6 +129,8 @@ def check_model_fits(hf: dict, tp: int, pp: int) -> None:
         raise ParallelConfigError(KV_HEADS_NOT_DIVISIBLE.format(kv=kv, tp=tp))
     if pp > hf["num_hidden_layers"]:
         raise ParallelConfigError(PP_TOO_LARGE.format(pp=pp, layers=hf["num_hidden_layers"]))
+    # An FP8 checkpoint's slices must hold whole scale blocks (quant.Fp8BlockCheckpoint).
+    quant.resolve(None, hf).check_layout(hf, tp)
 
 
 def layout_from_args(args, hf: dict, device: str = "cpu") -> RankLayout:

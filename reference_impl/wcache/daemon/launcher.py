@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from wcache.model.quant import refuse_for_cache
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
 from wcache.daemon import prewarm
@@ -34,7 +35,6 @@ from wcache.errors import (
     TAKING_OVER,
     PreloadConfigError,
     SeedConfigError,
-    UnsupportedQuantForIPCError,
 )
 from wcache.wire.sockets import (
     DaemonLock,
@@ -154,8 +154,7 @@ def run_preload(args) -> int:
         raise PreloadConfigError("--load-format ipc_cache cannot be used with `wcache preload`: "
                                  "the daemon itself must load the weights from disk")
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
-    if not cfg.quant.supports_pre_processed_weights:
-        raise UnsupportedQuantForIPCError(cfg.quant.name)
+    refuse_for_cache(cfg.quant)
     plan = plan_local_ranks(args, cfg)
     log.info("Daemon plan: %s", plan.describe())
     planned = plan.layout.local_ranks()

@@ -36,6 +36,7 @@ from wcache.core import autotune
 from wcache import logs
 from wcache.daemon import arena_record, seed
 from wcache.daemon.lifeline import die_with_parent
+from wcache.model.quant import refuse_for_cache
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
@@ -44,7 +45,6 @@ from wcache.errors import (
     REASONS,
     AutotuneFailedError,
     STALE_SOCKET_REMOVED,
-    UnsupportedQuantForIPCError,
     UserError,
 )
 from wcache.core.fingerprint import cache_key, checkpoint_digest, mismatched_fields
@@ -139,8 +139,7 @@ class RankDaemon:
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
-        if not self.cfg.quant.supports_pre_processed_weights:
-            raise UnsupportedQuantForIPCError(self.cfg.quant.name)
+        refuse_for_cache(self.cfg.quant)
         t0 = time.perf_counter()
         digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False))
         self.key = cache_key(self.cfg, digest)

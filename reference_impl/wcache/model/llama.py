@@ -89,11 +89,15 @@ class Linear(nn.Module):
         super().__init__()
         for name, (shape, buf_dtype) in quant.stored_shapes(out_features, in_features, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=buf_dtype))
+        self.in_features, self.out_features = in_features, out_features
         self.quant = quant
         self.compute_dtype = dtype
         self.impl = "linear"  # the autotuner may choose another implementation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quant.native_matmul(x, self._buffers)  # FP8 on Hopper's tensor cores, else None
+        if y is not None:
+            return y
         w = self.quant.dequantize(self._buffers, self.compute_dtype)
         if self.impl == "matmul_t":
             return torch.matmul(x, w.t())
@@ -225,9 +229,26 @@ class Llama(nn.Module):
 
 
 def build_meta_model(s: ModelShape, quant: QuantMethod, dtype: torch.dtype) -> Llama:
-    """The model's structure without weight memory: every buffer is a meta placeholder."""
+    """The model's structure without weight memory: every buffer is a meta placeholder. A projection
+    that the checkpoint keeps unquantized (quant.for_linear) gets its own method's placeholders."""
     with torch.device("meta"):
-        return Llama(s, quant, dtype)
+        model = Llama(s, quant, dtype)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, Linear) and (own := quant.for_linear(hf_parts(name))) is not quant:
+                model.set_submodule(name, Linear(module.in_features, module.out_features, own, dtype))
+        return model
+
+
+# The checkpoint (Hugging Face) modules behind each of this model's projections, fused ones in order.
+HF_PARTS = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "attn.o": ("self_attn.o_proj",), "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down": ("mlp.down_proj",)}
+
+
+def hf_parts(name: str) -> list[str]:
+    """``layers.3.attn.qkv`` -> the checkpoint's q, k and v projection module names of layer 3."""
+    _, layer, proj = name.split(".", 2)
+    return [f"model.layers.{layer}.{p}" for p in HF_PARTS[proj]]
 
 
 class BindError(Exception):

@@ -30,6 +30,7 @@ from wcache.wire.protocol import ProtocolError
 PAGE = 4096
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.int32, torch.int64,
+    torch.float8_e4m3fn,  # FP8 weights (model/fp8.py): one byte each, bound as views like the others
 )}
 _GROUP_FIELDS = {"names", "dtype", "shape", "stride", "offset", "step"}
 

@@ -44,10 +44,10 @@ from wcache.engine.loading.client import CacheClient
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.disk import DiskLoader
 from wcache.engine.loading.lease import CacheLease
+from wcache.model.quant import refuse_for_cache
 from wcache.errors import (
     CacheUnusable,
     UnsupportedPlatformForIPCError,
-    UnsupportedQuantForIPCError,
 )
 from wcache.wire.arena import bind_views, groups_bytes
 from wcache.wire.arenas import HANDED_BACK_KINDS, open_arena
@@ -71,8 +71,7 @@ def resolve_socket_path(cfg: EngineConfig, lc: LoaderConfig, draft: bool = False
 def check_supported(cfg: EngineConfig) -> None:
     if not sys.platform.startswith("linux"):
         raise UnsupportedPlatformForIPCError(sys.platform)
-    if not cfg.quant.supports_pre_processed_weights:
-        raise UnsupportedQuantForIPCError(cfg.quant.name)
+    refuse_for_cache(cfg.quant)
 
 
 class IpcCacheLoader(WeightLoader):

@@ -1,0 +1,101 @@
+"""FP8 on the tensor cores of a Hopper GPU (compute capability 9.0 or later): the block-wise
+(activations 1x128, weights 128x128) and row-wise ``torch._scaled_mm`` paths of model/fp8.py against
+the up-cast matmul that every other device runs, on llama-8b projection shapes; and a model whose
+projections take the native path, against the same model up-casting.
+
+Written from the H200 probe of 2026-12-04 (shared/probes/fp8_spare_probe.py) without a GPU at hand:
+the first GPU run is the proof. Tolerance: the activations are quantized to FP8 too (3 mantissa
+bits, a relative step of up to 1/16, half of it in rounding), so each output differs from the
+up-cast bfloat16 matmul by a few percent of the output's scale; the relative Frobenius error is
+measured against MAX_RELATIVE_ERROR.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wcache.model import fp8
+from wcache.model.quant import Fp8BlockCheckpoint, Fp8Online
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (9, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.0 or later (FP8 tensor cores); "
+                                          "run `make test-gpu` on an H100/H200"),
+]
+MAX_RELATIVE_ERROR = 0.05
+# (out, in) of llama-8b's fused q/k/v, o, fused gate/up and down projections
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 256])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_blockwise_scaled_mm_matches_the_upcast_matmul(shape, tokens):
+    torch.manual_seed(0)
+    w = torch.randn(*shape, device="cuda") * 0.02
+    q, s = fp8.quantize_blockwise(w, (128, 128))
+    x = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
+    method = Fp8BlockCheckpoint({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    stored = {"weight": q, "weight_scale_inv": s}
+    assert fp8.blockwise_native_ok(x, q, (128, 128))
+    native = method.native_matmul(x, stored)
+    upcast = x @ method.dequantize(stored, torch.bfloat16).t()
+    assert native.shape == upcast.shape == (tokens, shape[0]) and native.dtype == torch.bfloat16
+    err = relative_error(native, upcast)
+    print(f"block-wise {shape} x {tokens} tokens: relative error {err:.4f}")
+    assert err < MAX_RELATIVE_ERROR
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 256])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rowwise_scaled_mm_matches_the_upcast_matmul(shape, tokens):
+    torch.manual_seed(0)
+    w = torch.randn(*shape, device="cuda") * 0.02
+    method = Fp8Online()
+    stored = method.quantize(w, torch.bfloat16)
+    x = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
+    native = method.native_matmul(x, stored)
+    assert native is not None
+    err = relative_error(native, x @ method.dequantize(stored, torch.bfloat16).t())
+    print(f"row-wise {shape} x {tokens} tokens: relative error {err:.4f}")
+    assert err < MAX_RELATIVE_ERROR
+
+
+def test_blocks_other_than_128_and_float32_compute_up_cast():
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    q, _ = fp8.quantize_blockwise(torch.randn(256, 256, device="cuda"), (32, 32))
+    assert not fp8.blockwise_native_ok(x, q, (32, 32))
+    assert not fp8.blockwise_native_ok(x.float(), q, (128, 128))
+    assert fp8.blockwise_native_ok(x, q, (128, 128))
+
+
+def test_an_fp8_model_on_hopper_generates_like_its_upcast_twin(tmp_path):
+    """The small preset written as FP8 (128x128 blocks), served on the GPU: the native model's
+    logits against the same weights up-cast (native path switched off), greedy agreement printed."""
+    from wcache.core.checkpoint import make_checkpoint
+    from wcache.core.config import EngineConfig
+    from wcache.core.disk import load_processed
+    from wcache.model import tokenizer
+    from wcache.model.llama import bind_weights, build_meta_model
+
+    model_dir = make_checkpoint(tmp_path / "small-fp8", "small", quantization="fp8")
+    cfg = EngineConfig.build(str(model_dir), "bfloat16", None, "cuda")
+    weights = load_processed(cfg, show_progress=False)
+    model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
+    ids = torch.tensor(tokenizer.encode("The weight cache keeps FP8 weights resident."), device="cuda")
+    native = model(ids, 0, model.new_cache(len(ids)), all_positions=True)
+    for lin in model.modules():
+        if hasattr(lin, "quant"):
+            lin.quant = type("Upcast", (Fp8BlockCheckpoint,), {"native_matmul": lambda self, x, s: None})(
+                {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    upcast = model(ids, 0, model.new_cache(len(ids)), all_positions=True)
+    agreement = (native.argmax(-1) == upcast.argmax(-1)).float().mean().item()
+    print(f"small preset FP8 on {torch.cuda.get_device_name(0)}: native vs up-cast relative error "
+          f"{relative_error(native, upcast):.4f}, top-1 agreement {agreement:.3f}")
+    assert relative_error(native, upcast) < MAX_RELATIVE_ERROR
+    assert agreement >= 0.9
