@@ -258,6 +258,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "gpu-tests-summary": gpu_logs.gpu_tests_summary,
     "bench-respawn": respawn_tables.respawn_table,
     "respawn-memory": respawn_tables.respawn_memory,
+    "respawn-phases": respawn_tables.respawn_phases,
     "headline": headline.headline,
     "headline-readme": headline.headline_readme,
 }

@@ -60,3 +60,21 @@ def respawn_memory(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/"
                     f"| {fmt_bytes(mem['spare_rss_bytes'])} | {fmt_bytes(mem['serving_rss_bytes'])} "
                     f"| {fmt_bytes(mem['supervisor_rss_bytes'])} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
+
+
+def respawn_phases(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """Per record that has them: the median kill's phases (bench_respawn.PHASES), which add up to
+    its kill to the next 200, and the supervisor's resident memory."""
+    names = ["death_seen", "promote", "order_delivery", "worker_start", "first_answer"]
+    rows = ["| Record | Device | Model | Kills | Kill to next 200 (median kill) | Death seen | Promote "
+            "| Order delivery | Worker start | First answer | Supervisor |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for path, d in respawn_records(bench_dir):
+        p = d.get("median_kill_phases_s")
+        if p is None:
+            continue  # a record from before the phases were measured
+        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{d['model']['name']}` "
+                    f"| {len(d['respawn']['kills'])} | {fmt_seconds(sum(p.values()))} | "
+                    + " | ".join(fmt_seconds(p[n]) for n in names)
+                    + f" | {fmt_bytes(d['respawn']['memory']['supervisor_rss_bytes'])} |")
+    return "\n".join(rows) if len(rows) > 2 else NO_RECORD

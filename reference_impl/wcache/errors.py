@@ -150,6 +150,8 @@ class RespawnError(UserError):
                 "and restart the engine from outside (docs/respawn.md)")
     GAVE_UP = ("--respawn gives up: the engine worker died {deaths} times in a row, each within {stable:g} s of "
                "being ready or before it (last: {cause}); exit status 1")
+    STREAM_CUT = ("The engine worker serving this stream (pid {pid}) died ({cause}) after the stream had begun; "
+                  "the stream ends here. Send the request again")
     CONFIG = ("--respawn stops: engine worker pid {pid} exited with status 2 before it was ready, a configuration "
               "error that a new worker would repeat (its error is above)")
 

@@ -45,3 +45,16 @@ def test_each_record_holds_what_the_guide_claims():
         assert d["respawn"]["memory"]["spare_rss_bytes"] > 0
         if d["environment"]["device"] == "cpu":
             assert m["death_to_next_200"] <= 1.5, path.name  # the CPU claim of docs/respawn.md
+
+
+def test_the_phases_add_up_and_the_supervisor_is_small():
+    """Records since the phases (issue 34): every kill's phases add up to its kill to the next
+    200, and the supervisor, which no longer imports torch, holds under 60 MiB."""
+    with_phases = [(p, d) for p, d in respawn_tables.respawn_records() if "median_kill_phases_s" in d]
+    assert any(d["environment"]["device"] == "cpu" for _, d in with_phases)
+    for path, d in with_phases:
+        for k in d["respawn"]["kills"]:
+            assert abs(sum(k["phases_s"].values()) - k["death_to_next_200_s"]) <= 0.001, (path.name, k)
+        assert d["respawn"]["memory"]["supervisor_rss_bytes"] < 60 * 2**20, path.name
+        assert d["median_kill_phases_s"] in [k["phases_s"] for k in d["respawn"]["kills"]]
+        assert path.name in region("respawn.md", "respawn-phases")

@@ -11,6 +11,7 @@ refused with a message that names the flag.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ import time
 import pytest
 from itest import child_pids, run_cli, wait_until
 from wcache.bench.respawn import failure_kind, kill_under_load, post
-from wcache.engine.respawn import BACKOFF_S, MAX_DEATHS, STABLE_S
+from wcache.engine.respawn import BACKOFF_S, HUNG, HUNG_CAUSE, MAX_DEATHS, STABLE_S, TIMELINE
 from wcache.errors import MAPPED, RespawnError
 
 SPARE = "Spare engine worker pid"
@@ -58,9 +59,14 @@ def test_a_killed_worker_is_replaced_on_the_same_socket_and_no_client_is_refused
 
     sample = kill_under_load(p.port, first)
     assert sample["refused"] == 0, sample
-    assert len(sample["failed"]) <= 1, sample  # at most the request in flight, and it failed cleanly
-    assert all(f["kind"] == "closed" and f["sent_before_kill"] for f in sample["failed"]), sample
     assert sample["death_to_next_200_s"] <= 1.5, sample
+    # The request in flight was handed again to the spare, unless its answer had begun to be
+    # written at the kill (a window of microseconds per answer): then, and only then, it is closed.
+    held = re.search(r"held (\d+) request\(s\) not yet begun .*?, (\d+) stream\(s\) ended with an error event, "
+                     r"(\d+) answer\(s\) cut", p.log())
+    cut = int(held.group(3)) if held else 0
+    assert len(sample["failed"]) == cut <= 1, (sample, held and held.group(0))
+    assert all(f["kind"] == "closed" and f["sent_before_kill"] for f in sample["failed"]), sample
 
     p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
     log = p.log()
@@ -84,45 +90,76 @@ def test_a_killed_worker_is_replaced_on_the_same_socket_and_no_client_is_refused
     assert "Respawn supervisor stopped" in p.log()
 
 
-def test_a_request_in_flight_at_the_death_gets_a_closed_connection_not_a_hang(procs, tiny_model):
+def _complete(port: int, body: dict, outcome: dict) -> None:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as r:
+            outcome["status"], outcome["body"] = r.status, r.read()
+    except Exception as e:  # noqa: BLE001
+        outcome["error"], outcome["exception"] = failure_kind(e), repr(e)
+    outcome["at"] = time.monotonic()
+
+
+def test_a_request_not_yet_answered_at_the_death_is_answered_by_the_spare(procs, tiny_model):
+    """The supervisor holds every connection (engine/reception.py): a request whose answer had not
+    begun is handed again to the promoted spare, and an idle keep-alive connection outlives its
+    worker."""
+    import json
+
     p = procs.serve(tiny_model, "--respawn", "--max-model-len", "512")
     wait_spares(p, 1)
     victim = ready_pids(p.log())[0]
-    outcome = {}
+    body = {"prompt": "Hello", "max_tokens": 200}  # greedy: the same tokens whoever answers
+    expected = {}
+    _complete(p.port, body, expected)
+    assert expected.get("status") == 200, expected
 
-    def long_request():
-        import json
-        import urllib.request
-
-        req = urllib.request.Request(f"http://127.0.0.1:{p.port}/v1/completions", method="POST",
-                                     data=json.dumps({"prompt": "Hello", "max_tokens": 500}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                outcome["status"] = r.status
-        except Exception as e:  # noqa: BLE001
-            outcome["error"] = failure_kind(e)
-        outcome["at"] = time.monotonic()
-
-    # An idle keep-alive connection the worker accepted before it died.
     idle = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
     idle.request("GET", "/health")
     first_answer = idle.getresponse()
     assert first_answer.status == 200 and first_answer.read()
 
-    t = threading.Thread(target=long_request)
+    outcome = {}
+    t = threading.Thread(target=_complete, args=(p.port, body, outcome))
     t.start()
-    time.sleep(0.3)  # 500 tokens take seconds here: the request is being decoded
-    killed = time.monotonic()
+    time.sleep(0.3)  # 200 tokens take seconds here: the request is being decoded, nothing sent yet
     os.kill(victim, signal.SIGKILL)
-    t.join(30)
-    assert outcome.get("error") == "closed", outcome
-    assert outcome["at"] - killed < 2.0, outcome  # at once, not after a timeout
-    assert post(p.port) == 200  # and the next request is answered by the promoted spare
-    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
-        idle.request("GET", "/health")  # the keep-alive connection died with its worker
-        idle.getresponse()
+    t.join(240)
+    assert outcome.get("status") == 200, outcome
+    got, want = json.loads(outcome["body"]), json.loads(expected["body"])
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    idle.request("GET", "/health")  # the keep-alive connection was the supervisor's, not the worker's
+    again = idle.getresponse()
+    assert again.status == 200 and again.read()
     idle.close()
+    p.wait_for_log("held 1 request(s) not yet begun (handed to the next worker), 0 stream(s)")
+
+
+def test_a_stream_begun_at_the_death_ends_with_an_error_event_naming_it(procs, tiny_model):
+    p = procs.serve(tiny_model, "--respawn", "--max-model-len", "512")
+    wait_spares(p, 1)
+    victim = ready_pids(p.log())[0]
+    conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
+    conn.request("POST", "/v1/completions", body='{"prompt": "Hello", "max_tokens": 500, "stream": true}',
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    first = r.read1(65536)  # the first event (a chunk): the stream has begun
+    assert first.startswith(b"data: {"), first
+    os.kill(victim, signal.SIGKILL)
+    rest = r.read().decode()  # ends: a last chunk, not a hang and not a reset
+    events = [line for line in rest.splitlines() if line.startswith("data: ")]
+    assert events and "[DONE]" not in rest, rest[-500:]
+    error = json.loads(events[-1][len("data: "):])["error"]
+    assert error["message"] == RespawnError.STREAM_CUT.format(pid=victim, cause="signal SIGKILL"), error
+    assert error["code"] == 500 and error["type"] == "InternalServerError"
+    conn.close()
+    assert post(p.port) == 200
+    p.wait_for_log("0 request(s) not yet begun (handed to the next worker), 1 stream(s) ended with an error event")
 
 
 @pytest.mark.slow
@@ -175,3 +212,79 @@ def test_a_taken_port_is_refused_before_any_worker_starts(tiny_model, wcache_env
                     "--port", str(port), env=wcache_env)
     assert r.returncode == 2
     assert f"Cannot serve on 127.0.0.1:{port}: the port is already in use" in r.stderr
+
+
+def test_the_supervisor_holds_neither_torch_nor_the_model(procs, tiny_model):
+    """`serve --respawn` checks its flags with torch imported, then execs the small supervisor:
+    the same pid, nothing of torch mapped, a few tens of MB."""
+    p = procs.serve(tiny_model, "--respawn")
+    wait_spares(p, 1)
+    maps = open(f"/proc/{p.pid}/maps").read()
+    assert "torch" not in maps and "libtorch" not in maps, [l for l in maps.splitlines() if "torch" in l][:3]
+    cmdline = open(f"/proc/{p.pid}/cmdline").read().split("\0")
+    assert cmdline[1:3] == ["-m", "wcache.engine.respawn"], cmdline
+    rss = next(int(l.split()[1]) for l in open(f"/proc/{p.pid}/status") if l.startswith("VmRSS:")) * 1024
+    assert rss < 60 * 2**20, rss
+    # Its workers still have torch: the supervisor did not lose the engine, only stopped carrying it.
+    assert any("torch" in open(f"/proc/{w}/maps").read() for w in child_pids(p.pid))
+    assert post(p.port) == 200
+    assert p.stop() == 0
+
+
+def test_a_stopped_worker_is_killed_as_hung_and_the_spare_answers(procs, tiny_model):
+    p = procs.serve(tiny_model, "--respawn", "--respawn-heartbeat-timeout", "1")
+    wait_spares(p, 1)
+    hung, spare = ready_pids(p.log())[0], spare_pids(p.log())[0]
+    assert post(p.port) == 200
+    os.kill(hung, signal.SIGSTOP)  # every thread stops, the heartbeat's included
+    stopped = time.monotonic()
+    # kill() returns before the signal has stopped it: a connection accepted meanwhile would die
+    # with it (step 5 of issue 34 is what saves such a request; this test is about the heartbeat).
+    wait_until(lambda: open(f"/proc/{hung}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 5, "stopped")
+    assert post(p.port, timeout=30) == 200  # waits in the backlog, answered by the promoted spare
+    took = time.monotonic() - stopped
+    assert 1.0 <= took < 5.0, took  # not before the bound; soon after it
+    p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
+    log = p.log()
+    assert HUNG.split("{pid}")[0] + f"{hung} hung: no heartbeat for " in log, log
+    assert "(--respawn-heartbeat-timeout 1); killing it with SIGKILL" in log
+    assert f"Engine worker pid {hung} died ({HUNG_CAUSE}); promoting spare pid {spare}" in log
+    assert not os.path.exists(f"/proc/{hung}") or "Z" in open(f"/proc/{hung}/stat").read().split()[2]
+    assert p.stop() == 0
+
+
+def test_a_busy_worker_keeps_beating(procs, tiny_model):
+    """A long completion (many short forward passes) is progress, not a hang: no kill."""
+    p = procs.serve(tiny_model, "--respawn", "--respawn-heartbeat-timeout", "0.5", "--max-model-len", "512")
+    wait_spares(p, 1)
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{p.port}/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": "Hello", "max_tokens": 500}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["text"]
+    assert time.monotonic() - t0 > 0.5  # longer than the bound: the beat went on while it decoded
+    assert "hung" not in p.log()
+    assert p.stop() == 0
+
+
+def test_each_respawn_logs_its_timeline_on_the_monotonic_clock(procs, tiny_model):
+    import json
+
+    p = procs.serve(tiny_model, "--respawn")
+    wait_spares(p, 1)
+    victim = ready_pids(p.log())[0]
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    p.wait_for_log("Respawn timeline: ")
+    line = re.search(re.escape(TIMELINE.split("{")[0]) + r"(\{.*\})", p.log()).group(1)
+    t = json.loads(line)
+    assert t["dead_pid"] == victim
+    order = [killed, t["death_seen"], t["promoted"], t["worker"]["order_received"], t["worker"]["ready"],
+             t["ready_seen"]]
+    assert order == sorted(order), t  # one clock for the test, the supervisor and the worker
+    assert t["ready_seen"] - killed < 5.0, t
+    assert p.stop() == 0

@@ -31,7 +31,7 @@ from pathlib import Path
 from wcache.bench.api import complete, free_port
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import quantization_flag, rss_bytes, terminate
-from wcache.engine.respawn import STABLE_S
+from wcache.engine.respawn import STABLE_S, TIMELINE
 from wcache.engine.spare import SPARE_READY
 from wcache.wire.sockets import short_private_dir
 
@@ -39,6 +39,24 @@ PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for 
 _READY = re.compile(r"Engine ready \(pid (\d+)\)")
 _SPARE = re.compile(re.escape(SPARE_READY.split("{pid}")[0]) + r"(\d+)")
 _RESPAWNED = re.compile(r"Respawned: engine worker pid (\d+) ready ([\d.]+) s after worker pid (\d+) died \(([^)]*)\)")
+_TIMELINE = re.compile(re.escape(TIMELINE.split("{")[0]) + r"(\{.*\})")
+# The kill to the next 200, in phases that add up to it: each is the time between two stamps on
+# CLOCK_MONOTONIC, which the bench, the supervisor and the worker share (respawn.TIMELINE).
+PHASES = {
+    "death_seen": "the kill to the supervisor reaping the worker's exit",
+    "promote": "the supervisor's decision to its promotion order, written to the spare's pipe",
+    "order_delivery": "the order on the pipe to the spare reading it",
+    "worker_start": "the spare's start-up: context, weights mapped, memory plan, server ready",
+    "first_answer": "the worker ready to the first 200 of a request sent after the kill (the steady client "
+                    "first gets the answer to its request in flight at the kill, handed again to this worker)",
+}
+
+
+def phases(killed: float, timeline: dict, next_200_at: float) -> dict:
+    """PHASES for one kill, in seconds; their sum is ``next_200_at - killed`` by construction."""
+    stamps = [killed, timeline["death_seen"], timeline["promoted"], timeline["worker"]["order_received"],
+              timeline["worker"]["ready"], next_200_at]
+    return {name: round(b - a, 6) for name, a, b in zip(PHASES, stamps, stamps[1:])}
 
 
 def post(port: int, timeout: float = 60.0) -> int:
@@ -109,7 +127,8 @@ def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: floa
     answered = [r[1] for r in results if r[0] >= killed and r[2] == 200]
     failed = [{"kind": r[2], "sent_before_kill": r[0] < killed} for r in results if r[2] != 200]
     before = [r[1] - r[0] for r in results if r[1] < killed and r[2] == 200]
-    return {"death_to_next_200_s": round(min(answered) - killed, 4) if answered else None,
+    return {"killed_at": killed, "next_200_at": min(answered) if answered else None,
+            "death_to_next_200_s": round(min(answered) - killed, 4) if answered else None,
             "answer_before_kill_s": round(statistics.median(before), 4),
             "requests": len(results), "failed": failed,
             "refused": sum(f["kind"] == "refused" for f in failed)}
@@ -184,7 +203,11 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
             sample = kill_under_load(s.port, victim, log_text=s.text)
             s.wait_for("the respawn log line", lambda: len(_RESPAWNED.findall(s.text())) >= i + 1)
             m = list(_RESPAWNED.finditer(s.text()))[i]
-            sample.update(worker_death_to_ready_s=float(m.group(2)), cause=m.group(4))
+            s.wait_for("the respawn's timeline", lambda: len(_TIMELINE.findall(s.text())) >= i + 1)
+            timeline = json.loads(list(_TIMELINE.finditer(s.text()))[i].group(1))
+            killed, next_200 = sample.pop("killed_at"), sample.pop("next_200_at")
+            sample.update(worker_death_to_ready_s=float(m.group(2)), cause=m.group(4),
+                          phases_s=phases(killed, timeline, next_200))
             kills.append(sample)
     finally:
         code = s.stop()
@@ -227,6 +250,8 @@ def run_bench_respawn(args) -> int:
     finally:
         daemon.stop()
     kills = respawn["kills"]
+    # The phases of the median kill (medians of each phase would not add up to anything).
+    median_kill = sorted(kills, key=lambda k: k["death_to_next_200_s"])[(len(kills) - 1) // 2]
     med = {
         "death_to_next_200": statistics.median(k["death_to_next_200_s"] for k in kills),
         "worker_death_to_ready": statistics.median(k["worker_death_to_ready_s"] for k in kills),
@@ -240,6 +265,8 @@ def run_bench_respawn(args) -> int:
         "model": {"path": cfg.model, "name": Path(cfg.model).name, "dtype": cfg.dtype_name},
         "transport": args.transport if cfg.device == "cuda" else "memfd",
         "repeat": n,
+        "phases": PHASES,
+        "median_kill_phases_s": median_kill["phases_s"],
         "client": f"one steady client, POST /v1/completions max_tokens {MAX_TOKENS}, a fresh connection each",
         "restart_samples_s": starts,
         "median_s": {k: round(v, 4) for k, v in med.items()},
@@ -263,6 +290,9 @@ def render_table(r: dict) -> str:
         f"worker killed (SIGKILL) to next 200: {m['death_to_next_200']:.3f} s "
         f"(supervisor: death to ready {m['worker_death_to_ready']:.3f} s; one answer before the kill "
         f"{m['answer_before_kill']:.3f} s)",
+        "  the median kill, phase by phase: " + " + ".join(
+            f"{name.replace('_', ' ')} {r['median_kill_phases_s'][name] * 1e3:.1f} ms" for name in r["phases"])
+        + f" = {sum(r['median_kill_phases_s'].values()) * 1e3:.1f} ms",
         f"fresh wcache serve to first 200: from disk {m['restart_from_disk']:.2f} s "
         f"({r['ratios']['restart_from_disk_over_respawn']:.1f}x), ipc_cache {m['restart_ipc_cache']:.2f} s "
         f"({r['ratios']['restart_ipc_cache_over_respawn']:.1f}x)",

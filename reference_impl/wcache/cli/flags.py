@@ -74,6 +74,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0.0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return v
+
+
 def _size(text: str) -> int:
     from wcache.engine.memory import parse_bytes
 
@@ -140,6 +150,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="keep the listening socket in a supervisor and a spare worker ready (torch imported, no "
                         "CUDA context); when the serving worker dies, the spare takes over the same socket, so "
                         "clients wait instead of being refused (one-rank engines; docs/respawn.md)")
+    p.add_argument("--respawn-heartbeat-timeout", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="with --respawn: a serving worker silent this long (stopped, or one forward pass stuck "
+                        "for half of it) is killed with SIGKILL and replaced as after a crash")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",

@@ -169,7 +169,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
 
     A ``--respawn`` worker (engine/spare.py) passes the listening socket its supervisor bound
     (``sock``); a promoted spare leaves clients in the backlog until it is ready
-    (``answer_while_loading=False``) and reports readiness with ``on_ready``.
+    (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``.
     """
     from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.supervisor import Supervisor
@@ -214,7 +214,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     server.engine, server.ready = engine, True
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
     if on_ready is not None:
-        on_ready()
+        on_ready(engine, server)
     run_until_signal(server, on_stop=on_stop)
     log.info("Engine stopped")
     if runner.world.size > 1:

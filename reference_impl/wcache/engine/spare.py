@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import sys
+import threading
 import time
 
 T0 = time.monotonic()
@@ -31,7 +32,9 @@ from wcache.engine.engine import run_serve  # noqa: E402
 from wcache.engine.loading import registry  # noqa: E402,F401  (every loader: disk, ipc_cache and their modules)
 from wcache.engine.loading.config import parse_loader_config  # noqa: E402
 from wcache.engine.loading.lease import CacheLease  # noqa: E402,F401
-from wcache.engine.respawn import SPARE_ENV  # noqa: E402
+from wcache.engine.handed import HandedConnections  # noqa: E402
+from wcache.engine.heartbeat import Heartbeat  # noqa: E402
+from wcache.engine.respawn import BEAT_S, HEARTBEAT_TIMEOUT_S, SPARE_ENV  # noqa: E402
 from wcache.engine.runner import die_with_parent  # noqa: E402
 from wcache.engine.server import EngineServer  # noqa: E402,F401
 from wcache.engine.supervisor import Supervisor  # noqa: E402,F401
@@ -47,13 +50,19 @@ SPARE_READY = ("Spare engine worker pid {pid} ready: torch and wcache imported i
 PROMOTED_AT_ONCE = "Engine worker pid {pid}: torch and wcache imported in {seconds:.2f} s"
 
 
+_STATUS_LOCK = threading.Lock()  # the heartbeat thread writes on the same pipe
+
+
 def tell(status, **event) -> None:
-    """One line to the supervisor; a supervisor that is gone takes us with it (PR_SET_PDEATHSIG)."""
-    try:
-        status.write(json.dumps(event) + "\n")
-        status.flush()
-    except (BrokenPipeError, OSError):
-        pass
+    """One line to the supervisor (an empty one is a heartbeat); a supervisor that is gone takes
+    us with it (PR_SET_PDEATHSIG)."""
+    line = json.dumps(event) + "\n" if event else "\n"
+    with _STATUS_LOCK:
+        try:
+            status.write(line)
+            status.flush()
+        except (BrokenPipeError, OSError):
+            pass
 
 
 def warm_up() -> None:
@@ -77,13 +86,27 @@ def main() -> int:
     line = control.readline()  # blocks until promoted; EOF: the supervisor stops
     if not line:
         return 0
+    promoted = time.monotonic()
     order = json.loads(line)
     args = argparse.Namespace(**spec["args"])
-    sock = socket.socket(fileno=spec["listen_fd"])
+    channel = socket.socket(fileno=spec["handoff_fd"])
+    # Connections come from the supervisor (engine/handed.py), never from a listening socket: the
+    # server listens on a private loopback port that nobody is told, so its accept never fires.
+    sock = socket.create_server(("127.0.0.1", 0))
+    timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
+    heartbeat = Heartbeat(lambda: tell(status), BEAT_S, stall_s=timeout / 2)
+
+    def on_ready(engine, server) -> None:
+        HandedConnections(channel, server).start()
+        # Its stamps on CLOCK_MONOTONIC, which the supervisor's and a bench's share (respawn.TIMELINE).
+        tell(status, event="ready", pid=os.getpid(),
+             phases={"order_received": round(promoted, 6), "ready": round(time.monotonic(), 6)})
+        heartbeat.watch(engine.runner)
+        heartbeat.start()
+
     try:
         return run_serve(args, parse_loader_config(args.model_loader_extra_config), sock=sock,
-                         answer_while_loading=order["answer_while_loading"],
-                         on_ready=lambda: tell(status, event="ready", pid=os.getpid()))
+                         answer_while_loading=order["answer_while_loading"], on_ready=on_ready)
     except UserError as e:
         log.error("%s", e)
         return 2
