@@ -14,8 +14,9 @@ Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache prel
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
 field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
 ``serve-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
-``openai_api`` / ``http_front``) and the benchmark tables of ``tools/bench_tables.py``,
-``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
+``openai_api`` / ``http_front``), ``engine-metrics`` and ``daemon-metrics`` (every metric family of
+each ``GET /metrics``, from ``wcache.engine.metrics`` / ``wcache.daemon.metrics``) and the benchmark
+tables of ``tools/bench_tables.py``, ``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
 """
 
 from __future__ import annotations
@@ -231,7 +232,34 @@ def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str =
     return "\n".join(rows)
 
 
+def metrics_table(metrics) -> str:
+    """One row per metric family a server exports: the name a scrape shows, type, labels, meaning."""
+    from wcache.core.metrics import table
+
+    out = ["| Metric | Type | Labels | What it says |", "| --- | --- | --- | --- |"]
+    for name, kind, labels, what in table(metrics):
+        shown = ", ".join(f"`{label}`" for label in labels.split(", ")) if labels else "none"
+        out.append(f"| `{name}` | {kind} | {shown} | {_cell(what)} |")
+    return "\n".join(out)
+
+
+def engine_metrics() -> str:
+    """Every metric of the engine's GET /metrics (wcache.engine.metrics.METRICS)."""
+    from wcache.engine.metrics import METRICS
+
+    return metrics_table(METRICS)
+
+
+def daemon_metrics() -> str:
+    """Every metric of the daemon's GET /metrics on its health port (wcache.daemon.metrics.METRICS)."""
+    from wcache.daemon.metrics import METRICS
+
+    return metrics_table(METRICS)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "engine-metrics": engine_metrics,
+    "daemon-metrics": daemon_metrics,
     "http-streaming": http_streaming,
     "serve-endpoints": serve_endpoints,
     "serve-fields": serve_fields,

@@ -368,6 +368,10 @@ NO_LENGTH = "A Content-Length header is required"
 BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
 TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
 LOADING = "The engine is still loading its weights"
+# Continuous batching (engine/scheduler.py, engine/engine.py)
+QUEUE_FULL = "The engine has {waiting} requests waiting, its limit (--max-waiting-requests {max}); retry shortly"
+STREAM_OVERFLOW = ("A request fell {limit} tokens behind the engine (its client stopped reading its stream); "
+                   "the engine ended it")
 NO_ROUTE = "No route for {method} {path}"
 # The health lane (engine/http_front.py): /health, /metrics and /version, outside the completion limit.
 LANE_BUSY = "The server is answering {max} health, metrics and version requests; retry shortly"

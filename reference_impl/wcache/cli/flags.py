@@ -136,6 +136,8 @@ def add_daemon_port_args(g) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from wcache.engine.runner import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
+
     p.add_argument("model", help="model directory (config.json + *.safetensors)")
     add_engine_args(p)
     add_serve_rank_args(p)
@@ -155,6 +157,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "for half of it) is killed with SIGKILL and replaced as after a crash")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
+    p.add_argument("--max-num-seqs", type=_positive, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help="sequences decoded together in one batch (continuous batching); each holds a KV cache slot "
+                        "of --max-model-len tokens, so the engine lowers it to what the memory budget holds")
+    p.add_argument("--max-waiting-requests", type=_positive, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                   help="requests that may wait for a batch slot; past it a request is refused at once with "
+                        "503 and Retry-After")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
                    help="share of the device for weights (the daemon's included), activations and the "
                         "KV cache")

@@ -17,8 +17,8 @@ it binds or on a listening socket it is handed (``sock=``).
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
 import re
 import signal
 import threading
@@ -29,10 +29,12 @@ from wcache.engine import openai_api as api
 from wcache.engine.access_log import CLIENT_CLOSED
 from wcache.engine.client_gone import peer_closed
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
+from wcache.engine.scheduler import QueueFull
 from wcache.engine.version_info import version_body
-from wcache.errors import (BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS, NO_ROUTE, NOT_ALLOWED,
+from wcache.errors import (BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS, NO_ROUTE, NOT_ALLOWED, QUEUE_FULL,
                            SHUTTING_DOWN, TOO_LARGE)
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
+from wcache.engine.metrics import EngineMetrics
 
 log = logging.getLogger("wcache.server")
 
@@ -43,6 +45,7 @@ MAX_DISCARD_BYTES = 16 << 20
 READ_TIMEOUT_S = DEFAULT_LIMITS.read_timeout_s  # each read of a request
 BODY_DEADLINE_S = REQUEST_DEADLINE_S = DEFAULT_LIMITS.request_deadline_s  # the whole request from its first byte
 MAX_CONNECTIONS = DEFAULT_LIMITS.max_connections  # connections served at once (each is a thread)
+RETRY_AFTER_S = 1  # a full waiting queue's Retry-After: a slot frees as soon as any running request ends
 _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit numbers
 
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
@@ -80,6 +83,8 @@ REFUSALS = [
     (503, SHUTTING_DOWN, "a completion still running at the drain's deadline (a stream gets it as an SSE "
                          "`error` event, then `[DONE]`)"),
     (503, LOADING, "a request before the weights are loaded"),
+    (503, QUEUE_FULL, "`--max-waiting-requests` requests already wait for a batch slot; the answer carries "
+                      "`Retry-After: 1`"),
     (404, NO_ROUTE, "any other method or path"),
 ]
 
@@ -96,6 +101,7 @@ class EngineServer(FrontDoorServer):
         self.model_name = model_name
         self.ready = engine is not None
         self.created = int(time.time())
+        self.metrics = EngineMetrics(self)  # GET /metrics (engine/metrics.py), read by the health lane
         self.draining = False  # a SIGTERM came: /health is 503 from then on (engine/drain.py)
         self.aborting = threading.Event()  # the drain's deadline passed: running completions end with an error
         self.render_metrics = None  # MetricsRenderer, or None (404)
@@ -214,21 +220,27 @@ class _Handler(FrontDoorHandler):
         if aborting.is_set():
             self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
             return
-        if req.stream:
-            self._stream(engine, req)
-            return
-        gone = cut = False
+        with self.server.metrics.request() as timing:
+            if req.stream:
+                self._stream(engine, req, timing)
+                return
+            gone = cut = False
 
-        def on_text(_piece: str) -> bool:
-            # Asked at each new piece of text: the client left (nobody to answer), or the drain's
-            # deadline passed. Either stops decoding at this token.
-            nonlocal gone, cut
-            record.token()
-            gone = gone or peer_closed(self.connection)
-            cut = cut or aborting.is_set()
-            return gone or cut
+            def on_text(_piece: str) -> bool:
+                # Asked at each new piece of text: the client left (nobody to answer), or the drain's
+                # deadline passed. Either stops decoding at this token.
+                nonlocal gone, cut
+                record.token()
+                gone = gone or peer_closed(self.connection)
+                cut = cut or aborting.is_set()
+                return gone or cut
 
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+            try:
+                done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+            except QueueFull as e:
+                self._queue_full(e)
+                return
+            timing.finish(done, "abort" if gone or cut else None)
         record.prompt_tokens, record.generation_tokens = done.prompt_tokens, len(done.token_ids)
         if gone:
             self.close_connection = True
@@ -240,66 +252,83 @@ class _Handler(FrontDoorHandler):
             return
         self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
 
-    def _stream(self, engine, req: api.CompletionRequest) -> None:
+    def _queue_full(self, e: QueueFull) -> None:
+        """503 with Retry-After: the engine's waiting queue is full (--max-waiting-requests)."""
+        body = json.dumps(api.error_body(503, QUEUE_FULL.format(waiting=e.waiting, max=e.limit))).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Retry-After", str(RETRY_AFTER_S))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _stream(self, engine, req: api.CompletionRequest, timing) -> None:
         """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
-        finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
-        thread; a client that goes away stops the decoding at its next token, and so does the drain's
-        deadline, which ends the stream with an ``error`` event and ``[DONE]``."""
+        finish reason, the usage chunk if asked, then ``data: [DONE]``. This thread writes the
+        events as the engine loop hands it tokens (the loop itself never waits for a client); a
+        client that goes away leaves the batch before the next step, and so does a stream cut at
+        the drain's deadline, which ends with an ``error`` event and ``[DONE]``. The 200 goes out
+        with the first event, so a full waiting queue can still be a 503."""
         cid, created, model = api.new_id(), int(time.time()), self.server.model_name
-        pieces: queue.Queue = queue.Queue()
         gone = threading.Event()
         record, aborting = self.record, self.server.aborting
+        started = False
+
+        def start() -> None:
+            nonlocal started
+            started = True
+            self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            if self.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.close_connection = True
+                self.send_header("Connection", "close")
+            self.end_headers()
 
         def on_text(piece: str) -> bool:
             record.token()
-            pieces.put(("text", piece))
+            timing.first_token()
+            if not started:
+                start()
+            self._event(api.stream_chunk(cid, created, model, piece), gone)
             return gone.is_set() or aborting.is_set()
 
-        def run() -> None:
-            try:
-                pieces.put(("done", engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop,
-                                                    on_text=on_text)))
-            except BaseException as e:  # reported below, on the request's thread
-                pieces.put(("error", e))
-
-        self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
-        threading.Thread(target=run, name="wcache-stream", daemon=True).start()
-        while True:
-            kind, item = pieces.get()
-            if kind == "text":
-                self._event(api.stream_chunk(cid, created, model, item), gone)
-                continue
-            if kind == "error":
-                self.close_connection = True
-                log.error("A streamed completion failed: %s", item)
+        try:
+            item = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
+        except QueueFull as e:
+            if not started:
+                self._queue_full(e)
                 return
-            record.prompt_tokens, record.generation_tokens = item.prompt_tokens, len(item.token_ids)
-            if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
-                self.close_connection = True
-                self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
-            else:
-                self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
-                if req.include_usage:
-                    self._event(api.usage_chunk(cid, created, model, item), gone)
-            self._event(api.DONE, gone)
-            if not gone.is_set() and self.chunked:
-                try:
-                    self.wfile.write(b"0\r\n\r\n")
-                except OSError:
-                    gone.set()
-            if gone.is_set():
-                self.close_connection = True
-                record.status = CLIENT_CLOSED
+            raise
+        except Exception as e:  # the engine failed: end the stream
+            self.close_connection = True
+            log.error("A streamed completion failed: %s", e)
+            if not started:
+                self._error(500, str(e)[:200])
             return
+        if not started:
+            start()
+        record.prompt_tokens, record.generation_tokens = item.prompt_tokens, len(item.token_ids)
+        timing.finish(item, "abort" if gone.is_set() or aborting.is_set() else None)
+        if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
+            self.close_connection = True
+            self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
+        else:
+            self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
+            if req.include_usage:
+                self._event(api.usage_chunk(cid, created, model, item), gone)
+        self._event(api.DONE, gone)
+        if not gone.is_set() and self.chunked:
+            try:
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                gone.set()
+        if gone.is_set():
+            self.close_connection = True
+            record.status = CLIENT_CLOSED
 
     def _event(self, payload, gone: threading.Event) -> None:
         if gone.is_set():
