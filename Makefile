@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+# The CPU build of torch, from PyTorch's own CPU wheel index: the same pin from the default index is
+# the CUDA build (gigabytes). Where that index cannot be reached (a machine without the internet, or
+# with its own package mirror), one try of at most 5 s without retries, then the plain pin from the
+# default index (README.md, "Two commands on a fresh machine", says what each case gets).
 TORCH_PIN := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 MARKDOWNLINT := npx -y markdownlint-cli2@0.22.0
 # Two pytest-xdist workers; tests/parallel.py keeps each file (and each directory whose tests share a
 # port, the Docker engine or an end-of-run tally) on one worker. `make test-costs` stays serial: it
@@ -21,7 +25,8 @@ MERMAID_JS := docs/javascripts/mermaid.min.js
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q --timeout 5 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN) \
+	  || { echo "$(TORCH_CPU_INDEX) unreachable: $(TORCH_PIN) from the default index"; $(PIP) install -q $(TORCH_PIN); }
 	$(PIP) install -q -e .
 	touch $@
 
