@@ -48,7 +48,7 @@ def percentile(values: list[float], q: float) -> float:
 def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
     log = log_path.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", "cpu", "--host",
-                             "127.0.0.1", "--port", str(port), "--no-enable-autotune"],
+                             "127.0.0.1", "--port", str(port), "--no-enable-autotune", "--shutdown-delay", "0"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -65,12 +65,13 @@ def _fraction(text: str) -> float:
 
 
 def _positive(text: str) -> int:
+    """A count of at least 1 (tokens, sequences, requests, connections, a block's size)."""
     try:
         v = int(text)
     except ValueError:
         v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of tokens")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return v
 
 
@@ -190,7 +191,7 @@ def add_http_args(p) -> None:
     """The HTTP server's operation: its completion limit, its request log and its SIGTERM drain
     (engine/http_front.py, access_log.py, drain.py; docs/lifecycle.md says why these defaults)."""
     g = p.add_argument_group("HTTP server and shutdown")
-    g.add_argument("--max-concurrent-connections", type=_count, default=64, metavar="N",
+    g.add_argument("--max-concurrent-connections", type=_positive, default=64, metavar="N",
                    help="connections working on a request at once (completions, models); past it a 503. "
                         "/health, /metrics and /version are answered apart from this limit")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -202,16 +203,6 @@ def add_http_args(p) -> None:
     g.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                    help="then drain in-flight requests for up to this long; what still runs ends with an error "
                         "and the engine exits 0")
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return v
 
 
 def _seconds(text: str) -> float:
@@ -287,7 +278,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
     p.add_argument("--respawn", action="store_true",
                    help="instead: kill the serving worker of `wcache serve --respawn` under a steady client, "
-                        "against a fresh `wcache serve` from disk (bench_respawn.py)")
+                        "against a fresh `wcache serve` from disk (wcache/bench/respawn.py)")
     p.add_argument("--health-under-load", action="store_true",
                    help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
                         "connections are held open and 16 streams run (bench/health.py)")
