@@ -45,10 +45,13 @@ def percentile(values: list[float], q: float) -> float:
     return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
 
-def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
+def start_engine(model: str, port: int, log_path: Path, device: str = "cpu",
+                 dtype: str | None = None) -> subprocess.Popen:
     log = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", "cpu", "--host",
-                             "127.0.0.1", "--port", str(port), "--no-enable-autotune", "--shutdown-delay", "0"],
+    # How the weights arrive (disk or ipc_cache) does not change a decode step, so the engine reads them.
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", device, "--host",
+                             "127.0.0.1", "--port", str(port), "--no-enable-autotune", "--shutdown-delay", "0",
+                             *(["--dtype", dtype] if dtype else [])],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -128,12 +131,13 @@ def ratios(record: dict) -> dict | None:
             "ttft_p99": round(record["ttft_s"]["p99"] / one["ttft_s"], 2)}
 
 
-def run(model: str, clients: int, max_tokens: int, workdir: Path, vs_one: bool = False) -> dict:
+def run(model: str, clients: int, max_tokens: int, workdir: Path, vs_one: bool = False, device: str = "cpu",
+        dtype: str | None = None) -> dict:
     from wcache.bench.host import environment
     from wcache.core.autotune import cpu_name
 
     port = free_port()
-    proc = start_engine(model, port, workdir / "engine.log")
+    proc = start_engine(model, port, workdir / "engine.log", device, dtype)
     try:
         want = plain_text(port, max_tokens)
         one = one_client(port, max_tokens) if vs_one else None
@@ -167,7 +171,7 @@ def run(model: str, clients: int, max_tokens: int, workdir: Path, vs_one: bool =
     ttfts = [r["ttft_s"] for r in complete if r["ttft_s"] is not None]
     requests = [r["request_s"] for r in complete]
     return {
-        **environment("cpu"), "machine": platform.machine(), "cpu_model": cpu_name(), "model": Path(model).name, RECORD_KEY: clients,
+        **environment(device), "machine": platform.machine(), "cpu_model": cpu_name(), "model": Path(model).name, RECORD_KEY: clients,
         "max_tokens": max_tokens, "completed": len(complete), "refused": sum(1 for r in results if r.get("status") != 200),
         "matching_text": sum(1 for r in complete if r["text"] == want),
         "ttft_s": {"p50": round(statistics.median(ttfts), 4), "p99": round(percentile(ttfts, 99), 4),
@@ -200,13 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16, help="streaming clients started at once (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each asks for (default 32)")
     p.add_argument("--output", type=Path, help="also write the record (JSON) here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the engine's device (default cpu)")
+    p.add_argument("--dtype", help="the engine's --dtype (default: wcache serve's)")
     p.add_argument("--vs-one", action="store_true",
                    help="first time a lone client on the idle engine, then print the clients' aggregate "
                         "tokens/s and time-to-first-token p99 as multiples of its, and the engine's per-step "
                         "overhead (step time minus forward time)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wcache-bench-http-") as workdir:
-        record = run(args.model, args.clients, args.max_tokens, Path(workdir), args.vs_one)
+        record = run(args.model, args.clients, args.max_tokens, Path(workdir), args.vs_one, args.device, args.dtype)
     if args.vs_one:
         record["vs_one"] = ratios(record)
     text = json.dumps(record, indent=2) + "\n"
