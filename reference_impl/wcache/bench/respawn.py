@@ -38,8 +38,9 @@ from wcache.wire.sockets import short_private_dir
 PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding
 _READY = re.compile(r"Engine ready \(pid (\d+)\)")
 # A spare that waits: hot (prepared, with its reserve) or cold (it says why).
-_SPARE = re.compile("|".join(re.escape(m.split("{pid}")[0]) + r"(\d+)"
-                             for m in (SPARE_HOT, SPARE_COLD_COPY, SPARE_COLD_FAILED)))
+_SPARE = re.compile("|".join(
+    re.escape(before) + r"(\d+)" + re.escape(after.split("{")[0].split(":")[0])
+    for before, after in (m.split("{pid}") for m in (SPARE_HOT, SPARE_COLD_COPY, SPARE_COLD_FAILED))))
 _RESERVE = re.compile(re.escape(SPARE_HOT.split("{pid}")[0]) + r"\d+ .*?\((\d+) bytes\)")
 _RESPAWNED = re.compile(r"Respawned: engine worker pid (\d+) ready ([\d.]+) s after worker pid (\d+) died \(([^)]*)\)")
 _TIMELINE = re.compile(re.escape(TIMELINE.split("{")[0]) + r"(\{.*\})")

@@ -58,6 +58,8 @@ PREPARED_AT_ONCE = ("Engine worker pid {pid} prepared in {seconds:.2f} s: weight
                     "run; spare reserve {reserve} ({bytes} bytes) on {device}")
 SPARE_COLD_COPY = ("Spare engine worker pid {pid} waits cold: in copy mode the serving worker had the daemon release "
                    "the weights, so this spare loads them after its promotion")
+NO_NVML = ("NVML cannot read the free device memory ({error}); the spare reserve counts the warm-up and weights "
+           "but not the CUDA context")
 SPARE_COLD_FAILED = "Spare engine worker pid {pid} could not prepare ({error}); it loads after its promotion"
 # A worker whose order was waiting when its imports were done (the first one, or one started when
 # no spare was left) was never a spare: it says so.
@@ -96,7 +98,8 @@ def free_device_bytes(device: torch.device) -> int | None:
 
         pynvml.nvmlInit()
         return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free)
-    except Exception:  # no NVML: the context's own cost is then not seen (the log says so below)
+    except Exception as e:  # no NVML: the context's own cost is then not in the reserve
+        log.warning(NO_NVML.format(error=e))
         return int(torch.cuda.mem_get_info(device)[0])
 
 
