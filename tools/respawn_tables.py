@@ -52,8 +52,9 @@ def respawn_memory(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/"
         mem = d["respawn"]["memory"]
         # Records before the hot spare (issue 34 step 4) have no reserve: their spare was cold.
         reserve = mem.get("spare_reserve_bytes")
+        reserve = "cold spare" if reserve is None else fmt_bytes(reserve)
         rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{d['model']['name']}` "
-                    f"| {fmt_bytes(mem['spare_rss_bytes'])} | {'cold spare' if reserve is None else fmt_bytes(reserve)} "
+                    f"| {fmt_bytes(mem['spare_rss_bytes'])} | {reserve} "
                     f"| {fmt_bytes(mem['serving_rss_bytes'])} | {fmt_bytes(mem['supervisor_rss_bytes'])} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
 
