@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+# The CPU build of torch, from PyTorch's own CPU wheel index: the same pin from the default index is
+# the CUDA build (gigabytes). Where that index cannot be reached (a machine without the internet, or
+# with its own package mirror), one try of at most 5 s without retries, then the plain pin from the
+# default index (README.md, "Two commands on a fresh machine", says what each case gets).
 TORCH_PIN := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 MARKDOWNLINT := npx -y markdownlint-cli2@0.22.0
 # Two pytest-xdist workers; tests/parallel.py keeps each file (and each directory whose tests share a
 # port, the Docker engine or an end-of-run tally) on one worker. `make test-costs` stays serial: it
@@ -16,12 +20,13 @@ XDIST := -n 2 --dist loadgroup
 MERMAID_VERSION := 11.12.0
 MERMAID_JS := docs/javascripts/mermaid.min.js
 
-.PHONY: demo test test-fast test-costs test-gpu lint docs docs-serve docs-assets browser-deps clean venv dev checkov
+.PHONY: demo test test-fast test-costs test-gpu lint docs docs-serve docs-assets browser-deps monitoring-deps clean venv dev checkov
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q --timeout 5 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN) \
+	  || { echo "$(TORCH_CPU_INDEX) unreachable: $(TORCH_PIN) from the default index"; $(PIP) install -q $(TORCH_PIN); }
 	$(PIP) install -q -e .
 	touch $@
 
@@ -69,16 +74,28 @@ browser-deps:
 	@if [ "$$CI" = true ] && [ ! -x /usr/bin/chromium ]; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
 
+# Debian's prometheus (prometheus, promtool): tests/integration/test_monitoring.py scrapes a real
+# daemon and engine with it and checks examples/monitoring/ with promtool. On CI (root, fresh
+# machine) install it without starting its service: a policy-rc.d that denies every start is put
+# in place for the install when the machine has none (a container image usually has one), and no
+# recommended packages (node-exporter). Elsewhere the tests skip with a reason when it is missing.
+monitoring-deps:
+	@if [ "$$CI" = true ] && ! command -v promtool >/dev/null; then \
+	  own=; if [ ! -e /usr/sbin/policy-rc.d ]; then own=1; printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	    chmod +x /usr/sbin/policy-rc.d; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  status=$$?; if [ -n "$$own" ]; then rm -f /usr/sbin/policy-rc.d; fi; exit $$status; fi
+
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py
 
-test: $(VENV)/.dev-installed docs-assets browser-deps checkov
+test: $(VENV)/.dev-installed docs-assets browser-deps monitoring-deps checkov
 	$(PY) -m pytest tests $(XDIST) --durations=20
 	$(MAKE) lint
 
 # Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
 # cost in tests/costs.json reaches tests/costs.py's SLOW_S (such tests are marked slow at collection).
-test-fast: $(VENV)/.dev-installed docs-assets checkov
+test-fast: $(VENV)/.dev-installed docs-assets monitoring-deps checkov
 	$(PY) -m pytest tests $(XDIST) -m "not slow and not docker and not browser"
 
 # Measure every test's cost again (tests/costs.json decides which tests are slow); on an idle machine.

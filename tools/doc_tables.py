@@ -13,9 +13,10 @@ runs the check, so a table can only change together with the code or the JSON it
 Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
 field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
-``serve-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
-``openai_api`` / ``http_front``) and the benchmark tables of ``tools/bench_tables.py``,
-``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
+``serve-fields``, ``chat-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
+``openai_api`` / ``chat`` / ``http_front``), ``engine-metrics`` and ``daemon-metrics`` (every metric
+family of each ``GET /metrics``, from ``wcache.engine.metrics`` / ``wcache.daemon.metrics``) and the
+benchmark tables of ``tools/bench_tables.py``, ``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
 """
 
 from __future__ import annotations
@@ -172,12 +173,23 @@ def serve_endpoints() -> str:
 
 def serve_fields() -> str:
     """Every field of a completion request, supported or refused (wcache.engine.openai_api.COMPLETION_FIELDS)."""
-    import json
-
     from wcache.engine.openai_api import COMPLETION_FIELDS
 
+    return fields_table(COMPLETION_FIELDS)
+
+
+def chat_fields() -> str:
+    """Every field of a chat request, supported or refused (wcache.engine.chat.CHAT_FIELDS)."""
+    from wcache.engine.chat import CHAT_FIELDS
+
+    return fields_table(CHAT_FIELDS)
+
+
+def fields_table(table: dict) -> str:
+    import json
+
     out = ["| Field | Served | Value, or why it is refused |", "| --- | --- | --- |"]
-    for name, f in COMPLETION_FIELDS.items():
+    for name, f in table.items():
         if f.supported:
             out.append(f"| `{name}` | yes | {_cell(f.what)} |")
         else:
@@ -231,10 +243,38 @@ def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str =
     return "\n".join(rows)
 
 
+def metrics_table(metrics) -> str:
+    """One row per metric family a server exports: the name a scrape shows, type, labels, meaning."""
+    from wcache.core.metrics import table
+
+    out = ["| Metric | Type | Labels | What it says |", "| --- | --- | --- | --- |"]
+    for name, kind, labels, what in table(metrics):
+        shown = ", ".join(f"`{label}`" for label in labels.split(", ")) if labels else "none"
+        out.append(f"| `{name}` | {kind} | {shown} | {_cell(what)} |")
+    return "\n".join(out)
+
+
+def engine_metrics() -> str:
+    """Every metric of the engine's GET /metrics (wcache.engine.metrics.METRICS)."""
+    from wcache.engine.metrics import METRICS
+
+    return metrics_table(METRICS)
+
+
+def daemon_metrics() -> str:
+    """Every metric of the daemon's GET /metrics on its health port (wcache.daemon.metrics.METRICS)."""
+    from wcache.daemon.metrics import METRICS
+
+    return metrics_table(METRICS)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "engine-metrics": engine_metrics,
+    "daemon-metrics": daemon_metrics,
     "http-streaming": http_streaming,
     "serve-endpoints": serve_endpoints,
     "serve-fields": serve_fields,
+    "chat-fields": chat_fields,
     "serve-refusals": serve_refusals,
     "http-limits": http_limits,
     "preload-flags": preload_flags,

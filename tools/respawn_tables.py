@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench_records import BENCH_DIR, NO_RECORD, fmt_bytes, fmt_ratio, fmt_seconds
+from bench_records import BENCH_DIR, NO_RECORD, fmt_bytes, fmt_ratio, fmt_seconds, run_label
 
 
 def respawn_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
@@ -24,6 +24,13 @@ def _device(d: dict) -> str:
     return e.get("gpu") or f"CPU ({e['cpu_count']} cores)"
 
 
+def model_label(path: Path) -> str:
+    """The preset the record timed, as `wcache make-checkpoint --preset` names it, from the record's file
+    name (``2026-12-04-h200-llama-8b-respawn.json`` -> ``llama-8b``). The record's own ``model.name`` is
+    the checkpoint's directory, which a run may call anything (tools/gpu_run.sh makes it in /tmp/l8)."""
+    return run_label(path)
+
+
 def respawn_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
     """Per record: the medians of a killed worker to the next 200, the supervisor's death to ready,
     a fresh `wcache serve` to its first 200 (disk and ipc_cache), the ratio, and what clients lost."""
@@ -33,7 +40,7 @@ def respawn_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/")
             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for path, d in respawn_records(bench_dir):
         m = d["median_s"]
-        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{d['model']['name']}` "
+        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{model_label(path)}` "
                     f"| `{d['transport']}` | {fmt_seconds(m['death_to_next_200'])} "
                     f"| {fmt_seconds(m['worker_death_to_ready'])} | {fmt_seconds(m['answer_before_kill'])} "
                     f"| {fmt_seconds(m['restart_from_disk'])} "
@@ -53,7 +60,7 @@ def respawn_memory(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/"
         # Records before the hot spare (issue 34 step 4) have no reserve: their spare was cold.
         reserve = mem.get("spare_reserve_bytes")
         reserve = "cold spare" if reserve is None else fmt_bytes(reserve)
-        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{d['model']['name']}` "
+        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{model_label(path)}` "
                     f"| {fmt_bytes(mem['spare_rss_bytes'])} | {reserve} "
                     f"| {fmt_bytes(mem['serving_rss_bytes'])} | {fmt_bytes(mem['supervisor_rss_bytes'])} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD

@@ -336,16 +336,42 @@ class UnsupportedCheckpointError(UserError):
 # tokenizer has no chat template (ours, a byte-level tokenizer, has none).
 MODEL_NOT_FOUND = "The model `{model}` does not exist."
 NO_CHAT_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide "
-                    "a chat template if the tokenizer does not define one.")
+                    "a chat template if the tokenizer does not define one. Start wcache serve with --chat-template "
+                    "FILE, or give the model directory a chat_template.jinja")
+# vLLM's, for a --chat-template value that is neither a readable file nor template text.
+CHAT_TEMPLATE_FILE = ("The supplied chat template ({value}) looks like a file path, but it failed to be opened. "
+                      "Reason: {reason}")
+# vLLM's (its input validation), for a prompt that leaves no room for a single token.
+PROMPT_TOO_LONG = ("This model's maximum context length is {max_model_len} tokens. However, your request has "
+                   "{prompt_tokens} input tokens. Please reduce the length of the input messages.")
+TOKEN_OUT_OF_VOCAB = "Token id {id} is out of vocabulary"
 # Ours, each naming the field.
+CHAT_TEMPLATE_SYNTAX = "The chat template from {source} is not valid Jinja (line {line}): {error}"
+CHAT_TEMPLATE_CONFIG = "Cannot read the chat template of {path}: {why}"
+CHAT_TEMPLATE_RENDER = "The chat template could not render these messages: {error}"
+CHAT_TEMPLATE_KWARGS = "'chat_template_kwargs' must be an object whose keys are not {reserved}"
+MESSAGES_REQUIRED = "'messages' is required and must be a non-empty list of messages"
+MESSAGE_SHAPE = ("'messages[{index}]' must be an object with a non-empty string 'role', a 'content' and, if "
+                 "any, a string 'name'")
+MESSAGE_FIELD = "Unknown field 'messages[{index}].{field}': wcache serve reads a message's role, content and name only"
+MESSAGE_CONTENT = ("'messages[{index}].content' must be a string, null, or a list of text parts "
+                   "({{\"type\": \"text\", \"text\": \"...\"}})")
+MESSAGE_PART = "'messages[{index}].content[{part}]' is not a text part: wcache serve reads text only"
+BOOLEAN_FIELD = "'{field}' must be true or false"
+PROMPT_LIST_TOO_LONG = "'prompt' lists {n} prompts; wcache serve takes at most {max} in one request"
+API_KEY_MISSING = "Unauthorized: this server needs an API key, sent as 'Authorization: Bearer KEY'"
+API_KEY_WRONG = "Unauthorized: the API key sent is not one this server accepts"
+API_KEY_EMPTY = "--api-key must not be empty: give the key, or leave the flag out to serve without one"
+SERVED_NAME_EMPTY = "--served-model-name needs non-empty names"
 NOT_JSON = "Request body is not valid JSON: {error}"
 NOT_AN_OBJECT = "Request body must be a JSON object"
 UNKNOWN_FIELD = "Unknown field '{field}': wcache serve does not support it (see the serve reference)"
 REFUSED_FIELD = "'{field}' is not supported by wcache serve: {why}"
-PROMPT_REQUIRED = "'prompt' is required and must be a non-empty string"
+PROMPT_REQUIRED = ("'prompt' is required and must be a non-empty string, a list of them, a list of token ids "
+                   "or a list of such lists")
 PROMPT_SURROGATE = "'prompt' contains a lone surrogate: it is not valid Unicode text"
-MAX_TOKENS_TYPE = "'max_tokens' must be an integer"
-MAX_TOKENS_RANGE = ("'max_tokens' must be between 1 and {limit} for this prompt (max model length {max_model_len}, "
+MAX_TOKENS_TYPE = "'{field}' must be an integer"
+MAX_TOKENS_RANGE = ("'{field}' must be between 1 and {limit} for this prompt (max model length {max_model_len}, "
                     "prompt {prompt_tokens} tokens)")
 MODEL_TYPE = "'model' must be a string"
 TEMPERATURE = "'temperature' must be a number from 0 to 2, got {value}"
@@ -368,6 +394,10 @@ NO_LENGTH = "A Content-Length header is required"
 BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
 TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
 LOADING = "The engine is still loading its weights"
+# Continuous batching (engine/scheduler.py, engine/engine.py)
+QUEUE_FULL = "The engine has {waiting} requests waiting, its limit (--max-waiting-requests {max}); retry shortly"
+STREAM_OVERFLOW = ("A request fell {limit} tokens behind the engine (its client stopped reading its stream); "
+                   "the engine ended it")
 NO_ROUTE = "No route for {method} {path}"
 # The health lane (engine/http_front.py): /health, /metrics and /version, outside the completion limit.
 LANE_BUSY = "The server is answering {max} health, metrics and version requests; retry shortly"

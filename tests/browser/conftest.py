@@ -33,7 +33,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 VIEWPORT = {"width": 1280, "height": 900}
 # Pages screenshot on any failure, besides the failing page itself.
-SCREENSHOT_PAGES = ["", "benchmarks/"]
+SCREENSHOT_PAGES = ["", "benchmarks.html"]
 
 # mkdocs-material draws each Mermaid diagram into a *closed* shadow root, which no script (and so no
 # test) can look into. Opening them changes nothing in how the diagram is drawn.
@@ -161,7 +161,7 @@ def screenshots(item) -> list[Path]:
     out = Path(root) if root else item.config._tmp_path_factory.getbasetemp() / "browser-screenshots"
     out.mkdir(parents=True, exist_ok=True)
     failing = getattr(item, "callspec", None) and item.callspec.params.get("path")
-    paths = list(dict.fromkeys([failing] + SCREENSHOT_PAGES if isinstance(failing, str) else SCREENSHOT_PAGES + ["how-it-works/"]))
+    paths = list(dict.fromkeys([failing] + SCREENSHOT_PAGES if isinstance(failing, str) else SCREENSHOT_PAGES + ["how-it-works.html"]))
     shots = []
     for path in paths[:3]:
         v = Visit(browser, base_url, path)

@@ -97,7 +97,34 @@ def test_expected_output_looks_apart_from_commands_and_has_no_copy_button(visit,
 
 
 def test_the_benchmarks_ratio_column_is_in_view_at_800_px(visit):
-    page = visit("benchmarks/", viewport={"width": 800, "height": 900}).page
+    page = visit("benchmarks.html", viewport={"width": 800, "height": 900}).page
     col = page.evaluate(LAST_COLUMN, "Disk / zero_copy")
     assert col, "no table with a Disk / zero_copy column on the benchmarks page"
     assert col["right"] <= col["visible"] + 1, f"the ratio column ends at {col['right']} px, past {col['visible']}"
+
+
+# The scroll box of the widest table that overflows it, and how its scrollbar is drawn. Headless
+# Chromium (Playwright's --hide-scrollbars) lays out no scrollbar at all, so the test reads the CSS that
+# draws it: the standard properties, which Chromium applies before any ::-webkit-scrollbar rule.
+SCROLLBAR = """() => {
+  const boxes = [...document.querySelectorAll(".md-typeset__scrollwrap, .md-typeset .wc-scroll")]
+    .filter(b => b.scrollWidth > b.clientWidth + 1);
+  if (!boxes.length) return null;
+  const b = boxes.reduce((x, y) => (y.scrollWidth > x.scrollWidth ? y : x));
+  const css = getComputedStyle(b);
+  return {width: css.scrollbarWidth, color: css.scrollbarColor, overflow: css.overflowX,
+          columns: b.querySelector("tr").children.length};
+}"""
+
+
+def test_a_wide_table_shows_its_scrollbar(visit):
+    """The widest tables (17 and 13 columns) are wider than the text column at 1280 px: their box
+    scrolls, with a full-width scrollbar in the text's colours (docs/stylesheets/extra.css), not
+    material's thin pale one, so the cut-off columns do not look like the table's end."""
+    page = visit("benchmarks.html", viewport={"width": 1280, "height": 900}).page
+    box = page.evaluate(SCROLLBAR)
+    assert box, "no table on the benchmarks page overflows its box at 1280 px: this test checks nothing"
+    assert box["overflow"] == "auto", box
+    assert box["width"] == "auto", f"the {box['columns']}-column table's scrollbar is {box['width']}: {box}"
+    thumb, track = box["color"].split(") ")[0] + ")", box["color"].split(") ", 1)[-1]
+    assert box["color"] != "auto" and "rgba(0, 0, 0, 0)" not in thumb and thumb != track, box

@@ -337,6 +337,13 @@ def test_a_log_prefix_is_whole_words_and_never_an_error_level(expected, printed)
     assert match_output(expected, [("out", f"INFO 12-03 10:52:58 [wcache.daemon] {expected}")]) is None
 
 
+def test_an_indented_output_line_matches_its_stripped_expected_line() -> None:
+    # `wcache bench --respawn` prints its phase line indented under the kill's line (benchmarks.md)
+    printed = [("out", "  the median kill, phase by phase: death seen 1.0 ms = 2.0 ms")]
+    assert match_output("  the median kill, phase by phase: death seen ... ms = ... ms", printed) is None
+    assert match_output("the median kill, phase by phase: death seen ... ms", printed) is None
+
+
 def test_an_error_line_shown_without_its_level_only_passes_after_an_expect_fail_block() -> None:
     printed = [("out", "ERROR 12-03 10:57:35 [wcache.cli] wcache serve runs one engine per rank")]
     assert match_output("wcache serve runs one engine per rank", printed) is not None

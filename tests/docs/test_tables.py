@@ -719,3 +719,42 @@ def test_messages_quoted_in_prose_are_the_codes_texts(name):
     quoted = [s for s in re.findall(r"`([^`\n]{16,})`", page(name)) if " " in s and LOG_LIKE.match(s)]
     unknown = [q for q in quoted if not matching_templates(q)]
     assert not unknown, f"{name} quotes texts the code does not have:\n" + "\n".join(unknown)
+
+
+# --------------------------------------------------------------------------------------------
+# Metric tables (docs/monitoring.md)
+# --------------------------------------------------------------------------------------------
+
+
+def metric_tables(text: str) -> list[list[tuple[str, str, list[str]]]]:
+    """(name, type, labels) rows of each | Metric | Type | Labels | ... table of a page."""
+    found = []
+    for header, body in tables(text):
+        if header[:3] == ["Metric", "Type", "Labels"]:
+            found.append([(code_spans(r[0])[0], r[1], code_spans(r[2])) for r in body])
+    return found
+
+
+def declared(metrics) -> list[tuple[str, str, list[str]]]:
+    return [(m.exposed, m.kind, list(m.labels)) for m in metrics]
+
+
+def test_metric_tables_are_every_metric_each_server_declares():
+    from wcache.daemon.metrics import METRICS as DAEMON
+    from wcache.engine.metrics import METRICS as ENGINE
+
+    engine, daemon = metric_tables(page("monitoring.md"))
+    assert engine == declared(ENGINE) and daemon == declared(DAEMON)
+    names = {n for n, _, _ in engine}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+            "vllm:request_success_total"} <= names  # vLLM's names, as the issue asks
+    assert all(n.startswith(("vllm:", "wcache_engine_")) for n in names)
+    assert all(n.startswith("wcache_daemon_") for n, _, _ in daemon)
+    # Negative control: a row dropped from the page, or a label left out, no longer matches.
+    text = page("monitoring.md")
+    dropped = re.sub(r"^\| `wcache_daemon_adoptions_total` .*\n", "", text, flags=re.MULTILINE)
+    assert metric_tables(dropped)[1] != declared(DAEMON)
+    unlabelled = text.replace("| `wcache_engine_weights_fallback` | gauge | `model_name`, `reason` |",
+                              "| `wcache_engine_weights_fallback` | gauge | `model_name` |")
+    assert unlabelled != text and metric_tables(unlabelled)[0] != declared(ENGINE)

@@ -4,15 +4,27 @@ every refusal as the client's own exception class with vLLM's status and message
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
+
+from wcache.core.checkpoint import make_checkpoint
 
 MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def engine(module_procs, tiny_model):
-    return module_procs.serve(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--no-enable-autotune")
+def plain_model(tmp_path_factory) -> Path:
+    """The tiny preset without make-checkpoint's tokenizer_config.json: a checkpoint with no chat template."""
+    model = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
+    (model / "tokenizer_config.json").unlink()
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(module_procs, plain_model):
+    return module_procs.serve(plain_model, "--max-model-len", str(MAX_MODEL_LEN), "--no-enable-autotune")
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +34,8 @@ def client(engine):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model) -> str:
-    return str(tiny_model)
+def model(plain_model) -> str:
+    return str(plain_model)
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +144,43 @@ def test_an_unknown_model_is_not_found_with_vllms_message(client):
                             "param": "model", "code": 404}
 
 
+def test_lists_of_prompts_and_token_ids_as_vllm_takes_them(client, model, greedy):
+    ids = [256, *b"Hello"]  # BOS + the bytes: the tokens "Hello" is
+    for prompt in (ids, [ids]):
+        c = client.completions.create(model=model, prompt=prompt, max_tokens=24)
+        assert [ch.text for ch in c.choices] == [greedy.choices[0].text] and c.usage == greedy.usage
+    many = client.completions.create(model=model, prompt=["Hello", "Hi", ids], max_tokens=24)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == many.choices[2].text == greedy.choices[0].text
+    assert many.choices[1].text != greedy.choices[0].text
+    hi = client.completions.create(model=model, prompt="Hi", max_tokens=24)
+    assert many.choices[1].text == hi.choices[0].text
+    assert many.usage.prompt_tokens == 6 + 3 + 6 and many.usage.completion_tokens == sum(
+        len(ch.token_ids) for ch in many.choices)
+    chunks = list(client.completions.create(model=model, prompt=["Hello", "Hi"], max_tokens=24, stream=True))
+    by_index = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
+    assert by_index == {0: greedy.choices[0].text, 1: hi.choices[0].text}
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1]
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([256, 512], "Token id 512 is out of vocabulary"),
+    ([], "'prompt' is required and must be a non-empty string"),
+    (["Hello", ""], "'prompt' is required"),
+    ([["x"]], "'prompt' is required"),
+    (["x"] * 65, "'prompt' lists 65 prompts; wcache serve takes at most 64 in one request"),
+])
+def test_bad_prompt_lists_are_refused(client, model, prompt, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert message in e.value.body["message"]
+
+
 def test_chat_is_refused_as_vllm_refuses_a_model_without_a_chat_template(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}])
     assert e.value.status_code == 400
     assert e.value.body["message"].startswith("As of transformers v4.44, default chat template is no longer allowed")
+    assert "--chat-template" in e.value.body["message"]  # and says how to give one
     with pytest.raises(openai.NotFoundError):  # the model is checked first, as vLLM does
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "Hello"}])

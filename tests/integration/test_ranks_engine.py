@@ -21,7 +21,7 @@ from wcache.cli import build_parser
 from wcache.errors import KVCacheBudgetError
 from wcache.engine.loading.config import parse_loader_config
 from wcache.engine.engine import rank_specs
-from wcache.engine.runner import OP_GENERATE, OP_STOP, RankRunner
+from wcache.engine.runner import OP_STOP, RankRunner
 from wcache.engine.supervisor import spawn_worker
 
 TP_ATOL = 1e-5  # logits of this model are O(1); float32 reordering moves them by about 2e-7
@@ -54,9 +54,8 @@ def engine(model, *flags: str):
 
 
 def generate_and_stop(runner, workers, prompt: list[int], steps: int) -> list[int]:
-    runner.send_request(OP_GENERATE, prompt, steps)
-    out = runner.decode(prompt, steps, None)
-    runner.send_request(OP_STOP)
+    out = runner.decode(prompt, steps, None)  # every forward pass announced to the workers
+    runner.send_op(OP_STOP)
     assert [w.wait(60) for w in workers] == [0] * len(workers)  # every worker stopped cleanly
     return out
 
@@ -104,6 +103,8 @@ def test_tp2_every_rank_sizes_its_kv_cache_from_the_memory_flags(model32):
         runner.start()
         assert (runner.memory.capacity, runner.memory.utilization) == (capacity, 0.5)
         assert runner.memory.kv_tokens == 100 and runner.max_model_len == 100
+        # One sequence of 100 tokens fits (the default --max-num-seqs is lowered to what the budget holds).
+        assert runner.num_seqs == 1
         assert sum(k.nbytes + v.nbytes for k, v in runner.kv_cache) == 100 * probe.kv_bytes_per_token
         # The longest request the engine accepts runs on both ranks, in their 100-token caches.
         assert len(generate_and_stop(runner, workers, PROMPT, 100 - len(PROMPT))) == 100 - len(PROMPT)
@@ -113,3 +114,48 @@ def test_tp2_every_rank_sizes_its_kv_cache_from_the_memory_flags(model32):
                                                      "budget holds 100"):
             runner.start()
         assert [w.wait(60) for w in workers] == [2]
+
+
+@pytest.fixture(scope="module")
+def model16(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ranks-engine-bf16") / "tiny16", "tiny")
+
+
+@pytest.mark.parametrize("layout", [("-tp", "2"), ("-pp", "2")], ids=["tp2", "pp2"])
+def test_ranks_batch_in_lockstep(model16, layout):
+    """Several requests at once on a two-rank engine: rank 0's scheduler batches them, every pass
+    is announced to the worker in one header, and each request gets the tokens it gets alone
+    (greedy and seeded sampling); the worker stops cleanly."""
+    import threading
+
+    from wcache.engine.engine import Engine
+    from wcache.engine.sampling import SamplingParams
+
+    prompts = [f"Request {i} asks" for i in range(6)]
+    params = [SamplingParams() if i % 2 else SamplingParams(0.9, 0.95, 7 + i) for i in range(6)]
+    with engine(model16, *layout) as (runner, workers):
+        runner.start()
+        eng = Engine(runner)
+        try:
+            alone = [eng.generate(p, 24, s).token_ids for p, s in zip(prompts, params)]
+            before = (eng.stats.steps, eng.stats.tokens)
+            batched = [None] * len(prompts)
+            start = threading.Barrier(len(prompts))
+
+            def run(i):
+                start.wait()
+                batched[i] = eng.generate(prompts[i], 24, params[i]).token_ids
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            steps, tokens = eng.stats.steps - before[0], eng.stats.tokens - before[1]
+        finally:
+            eng.close()
+        assert [w.wait(60) for w in workers] == [0] * len(workers)
+    assert batched == alone
+    # Alone, a step gives a request at most 2 tokens (its prompt's pass, then a decode pass): more
+    # per step means passes decoded several sequences at once.
+    assert tokens > 2 * steps

@@ -147,7 +147,7 @@ class Serving:
         self.log_path = work / f"serve-{self.port}.log"
         argv = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "serve", args.model, "--device", args.device,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format,
-                *quantization_flag(args.quantization)]
+                "--shutdown-delay", "0", *quantization_flag(args.quantization)]
         if lc is not None:
             argv += ["--model-loader-extra-config", json.dumps(lc)]
         if respawn:

@@ -37,7 +37,8 @@ class EngineUnderTest:
         self.log_path = work / f"engine-{self.port}.log"
         argv = ["--log-level", "INFO", "serve", args.model, "--device", args.device, "--dtype", args.dtype,
                 "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format,
-                *quantization_flag(getattr(args, "quantization", None))]
+                # the bench stops what it started, and nobody routes to it: no accepting grace
+                "--shutdown-delay", "0", *quantization_flag(getattr(args, "quantization", None))]
         if lc is not None:
             argv += ["--model-loader-extra-config", json.dumps({k: v for k, v in asdict(lc).items()
                                                                 if k in ("mode", "socket_dir", "fallback")})]

@@ -9,8 +9,10 @@ that its pieces join to the plain completion. The record (JSON) carries the date
 torch; docs/benchmarks.md's streaming table is generated from the records in docs/benchmarks/
 (tools/doc_tables.py).
 
-The engine decodes one sequence at a time, so the n-th client's first token waits for the n-1
-completions before it: time to first token grows with the queue, and the p99 says by how much.
+The engine batches the clients (continuous batching): each joins at the next step. With
+``--vs-one`` the same run first times a lone client on the idle engine and prints the clients'
+aggregate tokens/s and time-to-first-token p99 as multiples of its, with the engine's own per-step
+figures (logged when it stops): the step, the forward passes in it, and the overhead between.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ def percentile(values: list[float], q: float) -> float:
     return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
 
-def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
+def start_engine(model: str, port: int, log_path: Path, device: str = "cpu",
+                 dtype: str | None = None) -> subprocess.Popen:
     log = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", "cpu", "--host",
-                             "127.0.0.1", "--port", str(port), "--no-enable-autotune"],
+    # How the weights arrive (disk or ipc_cache) does not change a decode step, so the engine reads them.
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", model, "--device", device, "--host",
+                             "127.0.0.1", "--port", str(port), "--no-enable-autotune", "--shutdown-delay", "0",
+                             *(["--dtype", dtype] if dtype else [])],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -68,14 +73,15 @@ def plain_text(port: int, max_tokens: int) -> str:
 
 def stream_once(port: int, max_tokens: int, go: threading.Barrier) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "stream": True})
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}})
     go.wait()
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
         return {"status": r.status, "done": False}
-    ttft, pieces, done, finish = None, [], False, None
+    ttft, pieces, done, finish, tokens = None, [], False, None, 0
     for line in r:  # http.client undoes the chunked transfer encoding
         if not line.startswith(b"data: "):
             continue
@@ -83,25 +89,58 @@ def stream_once(port: int, max_tokens: int, go: threading.Barrier) -> dict:
         if data == b"[DONE]":
             done = True
             break
-        choices = json.loads(data)["choices"]
-        if choices:
+        event = json.loads(data)
+        choices = event["choices"]
+        if not choices:  # the usage chunk
+            tokens = event["usage"]["completion_tokens"]
+        else:
             if choices[0]["text"] and ttft is None:
                 ttft = time.perf_counter() - t0
             pieces.append(choices[0]["text"])
             finish = choices[0]["finish_reason"] or finish
     conn.close()
     return {"status": 200, "done": done and finish is not None, "ttft_s": ttft,
-            "request_s": time.perf_counter() - t0, "text": "".join(pieces)}
+            "request_s": time.perf_counter() - t0, "text": "".join(pieces), "tokens": tokens}
 
 
-def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
+def one_client(port: int, max_tokens: int, rounds: int = 3) -> dict:
+    """A lone streaming client, ``rounds`` times on the idle engine: its median time to first token
+    and tokens per second (the baseline of the ratios)."""
+    runs = [stream_once(port, max_tokens, threading.Barrier(1)) for _ in range(rounds)]
+    runs = [r for r in runs if r.get("done")]
+    if not runs:
+        return {}
+    return {"ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 4),
+            "tokens_per_s": round(statistics.median(r["tokens"] / r["request_s"] for r in runs), 2)}
+
+
+def engine_steps(log_path: Path) -> dict | None:
+    """The engine's own per-step figures, logged when it stops (engine.STEP_STATS)."""
+    marker = "Engine steps (ms per step): "
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if marker in line]
+    return json.loads(lines[-1].split(marker, 1)[1]) if lines else None
+
+
+def ratios(record: dict) -> dict | None:
+    """N clients against one, measured in the same run: aggregate decode tokens/s and time to
+    first token p99, each as a multiple of the lone client's."""
+    one = record.get("one_client")
+    if not one or not record["ttft_s"]:
+        return None
+    return {"tokens_per_s": round(record["tokens_per_s"] / one["tokens_per_s"], 2),
+            "ttft_p99": round(record["ttft_s"]["p99"] / one["ttft_s"], 2)}
+
+
+def run(model: str, clients: int, max_tokens: int, workdir: Path, vs_one: bool = False, device: str = "cpu",
+        dtype: str | None = None) -> dict:
     from wcache.bench.host import environment
     from wcache.core.autotune import cpu_name
 
     port = free_port()
-    proc = start_engine(model, port, workdir / "engine.log")
+    proc = start_engine(model, port, workdir / "engine.log", device, dtype)
     try:
         want = plain_text(port, max_tokens)
+        one = one_client(port, max_tokens) if vs_one else None
         go = threading.Barrier(clients)
         results: list[dict] = [{} for _ in range(clients)]
 
@@ -125,17 +164,21 @@ def run(model: str, clients: int, max_tokens: int, workdir: Path) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     complete = [r for r in results if r.get("done")]
+    extra = {}
+    if vs_one:
+        extra = {"one_client": one, "tokens_per_s": round(sum(r["tokens"] for r in complete) / wall, 2),
+                 "engine_steps": engine_steps(workdir / "engine.log")}
     ttfts = [r["ttft_s"] for r in complete if r["ttft_s"] is not None]
     requests = [r["request_s"] for r in complete]
     return {
-        **environment("cpu"), "machine": platform.machine(), "cpu_model": cpu_name(), "model": Path(model).name, RECORD_KEY: clients,
+        **environment(device), "machine": platform.machine(), "cpu_model": cpu_name(), "model": Path(model).name, RECORD_KEY: clients,
         "max_tokens": max_tokens, "completed": len(complete), "refused": sum(1 for r in results if r.get("status") != 200),
         "matching_text": sum(1 for r in complete if r["text"] == want),
         "ttft_s": {"p50": round(statistics.median(ttfts), 4), "p99": round(percentile(ttfts, 99), 4),
                    "min": round(min(ttfts), 4)} if ttfts else None,
         "request_s": {"p50": round(statistics.median(requests), 4), "p99": round(percentile(requests, 99), 4)}
         if requests else None,
-        "wall_s": round(wall, 3),
+        "wall_s": round(wall, 3), **extra,
     }
 
 
@@ -161,13 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16, help="streaming clients started at once (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each asks for (default 32)")
     p.add_argument("--output", type=Path, help="also write the record (JSON) here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the engine's device (default cpu)")
+    p.add_argument("--dtype", help="the engine's --dtype (default: wcache serve's)")
+    p.add_argument("--vs-one", action="store_true",
+                   help="first time a lone client on the idle engine, then print the clients' aggregate "
+                        "tokens/s and time-to-first-token p99 as multiples of its, and the engine's per-step "
+                        "overhead (step time minus forward time)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wcache-bench-http-") as workdir:
-        record = run(args.model, args.clients, args.max_tokens, Path(workdir))
+        record = run(args.model, args.clients, args.max_tokens, Path(workdir), args.vs_one, args.device, args.dtype)
+    if args.vs_one:
+        record["vs_one"] = ratios(record)
     text = json.dumps(record, indent=2) + "\n"
     if args.output:
         args.output.write_text(text)
     print(text, end="")
+    if args.vs_one and record["vs_one"]:
+        r, steps = record["vs_one"], record.get("engine_steps") or {}
+        print(f"{args.clients} clients vs one: aggregate tokens/s x{r['tokens_per_s']}, time to first token p99 "
+              f"x{r['ttft_p99']}; engine step {steps.get('step_ms')} ms = forward {steps.get('forward_ms')} ms "
+              f"+ overhead {steps.get('overhead_ms')} ms", file=sys.stderr)
     bad = problems(record)
     for b in bad:
         print(f"unfit record: {b}", file=sys.stderr)

@@ -65,12 +65,13 @@ def _fraction(text: str) -> float:
 
 
 def _positive(text: str) -> int:
+    """A count of at least 1 (tokens, sequences, requests, connections, a block's size)."""
     try:
         v = int(text)
     except ValueError:
         v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of tokens")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return v
 
 
@@ -136,14 +137,16 @@ def add_daemon_port_args(g) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from wcache.engine.runner import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
+
     p.add_argument("model", help="model directory (config.json + *.safetensors)")
     add_engine_args(p)
     add_serve_rank_args(p)
     p.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
                    help="ipc_cache loader settings as a JSON object (see the loader key table)")
     p.add_argument("--host", default="0.0.0.0",
-                   help="address the HTTP API listens on; the API has no authentication: 0.0.0.0 answers "
-                        "anyone who can reach this host, 127.0.0.1 this host only")
+                   help="address the HTTP API listens on; without --api-key the API has no authentication: "
+                        "0.0.0.0 answers anyone who can reach this host, 127.0.0.1 this host only")
     p.add_argument("--port", type=int, default=8000,
                    help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
     p.add_argument("--respawn", action="store_true",
@@ -155,20 +158,40 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "for half of it) is killed with SIGKILL and replaced as after a crash")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt plus completion, in tokens (default: the model's, at most 2048)")
+    p.add_argument("--max-num-seqs", type=_positive, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help="sequences decoded together in one batch (continuous batching); each holds a KV cache slot "
+                        "of --max-model-len tokens, so the engine lowers it to what the memory budget holds")
+    p.add_argument("--max-waiting-requests", type=_positive, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                   help="requests that may wait for a batch slot; past it a request is refused at once with "
+                        "503 and Retry-After")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
                    help="share of the device for weights (the daemon's included), activations and the "
                         "KV cache")
     p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
                    help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                         "e.g. 8GiB (default: the host's physical memory)")
+    add_api_args(p)
     add_http_args(p)
+
+
+def add_api_args(p) -> None:
+    """What the HTTP API answers to (vLLM's flags): names, chat template, API key (engine/served.py)."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) the API answers to: a request's model may be any of them, answers "
+                        "carry the first (default: the model directory as given)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="chat template for POST /v1/chat/completions: a Jinja file, or the template text itself "
+                        "(default: the checkpoint's chat_template.jinja, else tokenizer_config.json's)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require one of these keys as Authorization: Bearer KEY on /v1/ routes (default: "
+                        "$VLLM_API_KEY; the variable keeps the key out of ps)")
 
 
 def add_http_args(p) -> None:
     """The HTTP server's operation: its completion limit, its request log and its SIGTERM drain
     (engine/http_front.py, access_log.py, drain.py; docs/lifecycle.md says why these defaults)."""
     g = p.add_argument_group("HTTP server and shutdown")
-    g.add_argument("--max-concurrent-connections", type=_count, default=64, metavar="N",
+    g.add_argument("--max-concurrent-connections", type=_positive, default=64, metavar="N",
                    help="connections working on a request at once (completions, models); past it a 503. "
                         "/health, /metrics and /version are answered apart from this limit")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -180,16 +203,6 @@ def add_http_args(p) -> None:
     g.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                    help="then drain in-flight requests for up to this long; what still runs ends with an error "
                         "and the engine exits 0")
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return v
 
 
 def _seconds(text: str) -> float:
@@ -265,7 +278,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
     p.add_argument("--respawn", action="store_true",
                    help="instead: kill the serving worker of `wcache serve --respawn` under a steady client, "
-                        "against a fresh `wcache serve` from disk (bench_respawn.py)")
+                        "against a fresh `wcache serve` from disk (wcache/bench/respawn.py)")
     p.add_argument("--health-under-load", action="store_true",
                    help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
                         "connections are held open and 16 streams run (bench/health.py)")

@@ -2,7 +2,8 @@
 
 `make_checkpoint` writes config.json, one or more ``*.safetensors`` shards and, when there is more
 than one shard, ``model.safetensors.index.json``: what an engine finds in a downloaded model
-directory. Weights are seeded random numbers (no hub access); every tensor is drawn from its own
+directory. Its tokenizer_config.json names BOS and EOS and holds a chat template, where transformers
+writes one, so ``POST /v1/chat/completions`` works on it as on a downloaded chat model. Weights are seeded random numbers (no hub access); every tensor is drawn from its own
 generator seeded by (seed, tensor name), so the bytes do not depend on shard layout or write order.
 """
 
@@ -64,6 +65,23 @@ def fp8_quantization_config(block: int) -> dict:
 
 def is_quantized_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
+
+# The chat template of every preset: each message as `<|role|>`, a newline, its content and EOS;
+# then, for a reply, `<|assistant|>` and a newline. BOS and EOS are written as text (the template
+# sees them as bos_token and eos_token) and read back as their ids (model/tokenizer.py).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def tokenizer_config(preset: Preset) -> dict:
+    """tokenizer_config.json as transformers writes it (the legacy place of a single chat template)."""
+    return {"bos_token": tokenizer.BOS_TEXT, "eos_token": tokenizer.EOS_TEXT,
+            "model_max_length": preset.max_position_embeddings, "chat_template": CHAT_TEMPLATE}
 
 
 def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
@@ -218,6 +236,7 @@ def make_checkpoint(
     elif index.exists():
         index.unlink()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(p), indent=2) + "\n")
     return out
 
 

@@ -12,6 +12,7 @@ a crash, costs only the takeover; see docs/lifecycle.md).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from wcache.model.quant import refuse_for_cache
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
 from wcache.daemon import prewarm
+from wcache.daemon.metrics import LauncherMetrics
 from wcache.daemon.seed import preload_seed_settings
 from wcache.errors import (
     STANDBY_STOPPED,
@@ -48,6 +50,7 @@ log = logging.getLogger("wcache.preload")
 
 STARTUP_FAILED = "Weight cache daemon rank(s) exited during startup (exitcodes={codes})"
 READY = "Weight cache daemon READY"
+HEALTH_PORT_TAKEOVER_S = 5.0  # a standby's wait for the stopped daemon's health port to close
 
 
 class Health:
@@ -62,12 +65,23 @@ class Health:
         return self.ready and not self.failed
 
 
-def start_health_server(host: str, port: int, health: Health) -> ThreadingHTTPServer:
+def start_health_server(host: str, port: int, health: Health, metrics: LauncherMetrics | None = None,
+                        wait_s: float = 0.0) -> ThreadingHTTPServer:
+    """Serve /health (and /metrics). ``wait_s``: how long to retry a port still in use (a standby
+    taking over: the dead daemon's rank releases the lock before its launcher's socket is closed)."""
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
         def do_GET(self):
+            if self.path == "/metrics" and metrics is not None:  # Prometheus (daemon/metrics.py)
+                body, content_type = metrics.render_metrics()
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if self.path != "/health":
                 self.send_error(404)
                 return
@@ -79,7 +93,15 @@ def start_health_server(host: str, port: int, health: Health) -> ThreadingHTTPSe
             self.end_headers()
             self.wfile.write(body.encode())
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            server = ThreadingHTTPServer((host, port), Handler)
+            break
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     log.info("Health endpoint on http://%s:%d/health", host, port)
@@ -218,14 +240,16 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.set())
     health = Health()
+    metrics = LauncherMetrics(health, [lock.path for lock in locks])  # before the ranks: they write to it
     server = None
     if args.weight_cache_health_port is not None:
-        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health)
+        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health, metrics,
+                                     wait_s=HEALTH_PORT_TAKEOVER_S if any(lock.waited for lock in locks) else 0.0)
 
     spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
             "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
             "transport": args.weight_cache_transport, "adopt": args.weight_cache_adopt,
-            "rehash": getattr(args, "weight_cache_rehash", False),
+            "rehash": getattr(args, "weight_cache_rehash", False), "metrics_dir": metrics.directory,
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
@@ -248,6 +272,8 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
             dead = [r for r in ranks if r.proc.poll() is not None]
             if dead and not health.failed:
                 health.failed = True
+                for r in dead:
+                    metrics.rank_exited(r.proc.pid)
                 log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
                           {r.label: r.proc.returncode for r in dead})
         return 0
@@ -256,6 +282,7 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
         if server is not None:
             server.shutdown()
             server.server_close()
+        metrics.close()
 
 
 def _await_ready(ranks: list[RankProcess], stop: threading.Event) -> int | None:

@@ -36,6 +36,7 @@ from wcache.core import autotune
 from wcache import logs
 from wcache.daemon import arena_record, seed
 from wcache.daemon.lifeline import die_with_parent
+from wcache.daemon.metrics import RankMetrics
 from wcache.model.quant import refuse_for_cache
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
@@ -136,6 +137,7 @@ class RankDaemon:
         self.recording: threading.Thread | None = None  # hashes a GPU arena for its record; joined before it is freed
         self.autotune_doc = None  # the tuned winners this rank serves to seeding replicas
         self.seed_server = None
+        self.metrics = RankMetrics(spec, self.rank, self.device_id)  # built once serving (metrics.py)
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -221,7 +223,7 @@ class RankDaemon:
         if listen:
             host, base = listen
             self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
-                                               lambda: self.autotune_doc, self.rank).start()
+                                               lambda: self.autotune_doc, self.rank, self.metrics.seed_answer).start()
 
     @functools.cached_property
     def socket_path(self) -> Path:
@@ -287,6 +289,7 @@ class RankDaemon:
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 
     def _refuse(self, conn: socket.socket, error: str, message: str, drain_input: bool = False) -> None:
+        self.metrics.refused(error)
         try:
             conn.settimeout(1.0)
             send_frame(conn, reply(False, error=error, message=message))
@@ -321,11 +324,13 @@ class RankDaemon:
                     return
                 except ProtocolError as e:
                     log.warning("Bad frame from pid %d: %s", pid, e)
+                    self.metrics.refused("protocol")
                     send_frame(conn, reply(False, error="protocol", message=str(e)))
                     drain(conn)
                     return
                 try:
                     op = str(req.get("op"))[:64]
+                    mode = req.get("mode", "zero_copy")
                     answer, fds = self._handle(cid, req)
                 finally:
                     del req  # a parsed request is never kept while the connection idles
@@ -341,7 +346,10 @@ class RankDaemon:
                     send_frame(conn, answer)
                 elif not self._send_descriptors(conn, cid, pid, op, answer, fds):
                     continue
+                if fds and op == "get_state":
+                    self.metrics.handoff(mode)
                 if isinstance(answer, dict) and not answer["ok"]:
+                    self.metrics.refused(answer["error"])
                     log.warning(REFUSED_LOG, op, pid, answer["error"], answer["message"])
                     if answer["error"] == "protocol":
                         drain(conn)
@@ -375,6 +383,7 @@ class RankDaemon:
         with self.lock:
             self.leases.discard(cid)  # it never got the mapping
         message = DAEMON_ERRORS["fds_in_flight"].format(uid=os.getuid(), limit=_fd_limit())
+        self.metrics.refused("fds_in_flight")
         log.warning(REFUSED_LOG, op, pid, "fds_in_flight", message)
         send_frame(conn, reply(False, error="fds_in_flight", message=message))
         return False
@@ -423,6 +432,7 @@ class RankDaemon:
                     return reply(False, error="release_failed",
                                  message=DAEMON_ERRORS["release_failed"].format(error=e)), []
                 self.released = True
+                self.metrics.weights(0)
                 log.info("Released the cached weights at an engine's request (copy mode)")
             return reply(True, released=True), []
 
@@ -557,6 +567,7 @@ def main() -> int:
                             "weights_bytes": daemon.weights_bytes}) + "\n")
     ready.close()
     serving.set()
+    daemon.metrics.serving(daemon.weights_bytes, adopted=bool(MARKS.get("adopted")))
     try:
         daemon.serve(listener)
     finally:

@@ -93,8 +93,9 @@ def _digest(token) -> bytes:
 class SeedServer:
     """Serves one rank's autotune cache document (``get_doc()``; None when it has none)."""
 
-    def __init__(self, host: str, port: int, token: str, get_doc, rank: int):
+    def __init__(self, host: str, port: int, token: str, get_doc, rank: int, counted=None):
         self.address = f"{host}:{port}"
+        self.counted = counted  # told each answer (daemon/metrics.py counts served and refused requests)
         self.token_digest = _digest(token)
         self.get_doc = get_doc
         self.rank = rank
@@ -123,6 +124,11 @@ class SeedServer:
         self.stop.set()
         self.thread.join(timeout=2)
         self.sock.close()
+
+    def _answer(self, conn: socket.socket, answer: dict) -> None:
+        if self.counted is not None:
+            self.counted(answer)
+        send_frame(conn, answer)
 
     def _limited(self, peer: str) -> bool:
         now = time.monotonic()
@@ -163,7 +169,7 @@ class SeedServer:
             if not self.slots.acquire(blocking=False):
                 try:  # say why before closing; a fresh connection's send buffer takes this at once
                     conn.settimeout(1.0)
-                    send_frame(conn, reply(False, error="busy", message=SEED_BUSY.format(max=MAX_CONNECTIONS)))
+                    self._answer(conn, reply(False, error="busy", message=SEED_BUSY.format(max=MAX_CONNECTIONS)))
                 except OSError:
                     pass
                 conn.close()
@@ -174,13 +180,13 @@ class SeedServer:
         try:
             conn.settimeout(TIMEOUT_S)
             if self._limited(peer):
-                send_frame(conn, reply(False, error="rate_limited", message="too many bad tokens; retry later"))
+                self._answer(conn, reply(False, error="rate_limited", message="too many bad tokens; retry later"))
                 drain(conn)  # refused unread: without draining, the reset could swallow the answer
                 return
             try:
                 req, fds = recv_frame(conn, max_bytes=MAX_REQUEST_BYTES, timeout=TIMEOUT_S)  # a whole-frame deadline
             except (ProtocolError, EOFError, TimeoutError) as e:
-                send_frame(conn, reply(False, error="protocol", message=str(e)[:200]))
+                self._answer(conn, reply(False, error="protocol", message=str(e)[:200]))
                 drain(conn)
                 return
             close_fds(fds)  # TCP carries none, but never keep one
@@ -189,29 +195,29 @@ class SeedServer:
                 self._record_bad(peer)
                 log.warning("Seed request from %s with a bad token refused", peer)
                 time.sleep(BAD_TOKEN_DELAY_S)
-                send_frame(conn, reply(False, error="token", message="bad token"))
+                self._answer(conn, reply(False, error="token", message="bad token"))
                 return
             op = req.get("op")
             if op not in SERVED_OPS:
-                send_frame(conn, reply(False, error="forbidden", message=f"only {list(SERVED_OPS)} are served "
+                self._answer(conn, reply(False, error="forbidden", message=f"only {list(SERVED_OPS)} are served "
                                        "remotely"))
                 return
             doc = self.get_doc()
             if op == "ping":
-                send_frame(conn, reply(True, rank=self.rank, has_cache=doc is not None))
+                self._answer(conn, reply(True, rank=self.rank, has_cache=doc is not None))
                 return
             key = req.get("key")
             if not isinstance(key, dict):
-                send_frame(conn, reply(False, error="protocol", message="get_autotune needs a key object"))
+                self._answer(conn, reply(False, error="protocol", message="get_autotune needs a key object"))
                 return
             if doc is None:
-                send_frame(conn, reply(False, error="no_cache", message="this daemon has no autotune cache"))
+                self._answer(conn, reply(False, error="no_cache", message="this daemon has no autotune cache"))
                 return
             fields = mismatched_fields(doc["key"], key)
             if fields:
-                send_frame(conn, reply(False, error="mismatch", fields=fields[:64]))
+                self._answer(conn, reply(False, error="mismatch", fields=fields[:64]))
                 return
-            send_frame(conn, reply(True, doc=doc))
+            self._answer(conn, reply(True, doc=doc))
             log.info("Served the autotune cache (%d configs) to %s", len(doc["configs"]), peer)
         except (OSError, ProtocolError):
             pass

@@ -1,40 +1,51 @@
 """The engine: what the HTTP server calls, over a world of any size; and ``wcache serve``'s start-up.
 
-``Engine`` wraps engine rank 0's ``RankRunner`` (runner.py). With one rank it just decodes; with
-several it first broadcasts each request to the other ranks, and keeps an idle world alive.
+``Engine`` wraps engine rank 0's ``RankRunner`` (runner.py) and batches requests continuously
+(scheduler.py): every step, each running sequence gets one token, and requests join and leave
+between steps. With several ranks, every forward pass is announced to the others (one header per
+pass), and an idle world is kept alive.
 ``run_serve`` is the one start-up path: listen (``/health`` answers 503), start the other local
 ranks (supervisor.py), load and size memory on every rank, then serve.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from wcache.core.config import EngineConfig
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
 from wcache.engine.runner import (
-    OP_GENERATE,
     OP_KEEPALIVE,
     OP_STOP,
+    TARGET,
     EngineOptions,
     RankRunner,
     rank_spec,
 )
-from wcache.engine.sampling import GREEDY, SamplingParams
+from wcache.engine.sampling import GREEDY, Sampler, SamplingParams, pick_rows
+from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
 from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
-from wcache.errors import ParallelConfigError
+from wcache.errors import STREAM_OVERFLOW, ParallelConfigError
 from wcache.model import tokenizer
 
 log = logging.getLogger("wcache.engine")
 
 KEEPALIVE_S = 60.0
+# Tokens a request's thread may fall behind the engine loop (a streaming client that stops reading,
+# once the socket's buffers are full) before the engine ends that request and frees its slot.
+STREAM_BUFFER_TOKENS = 256
+# Logged when the engine stops; the HTTP bench reads it (what the loop adds to the forward passes).
+STEP_STATS = "Engine steps (ms per step): {json}"
 
 
 @dataclass(frozen=True)
@@ -44,21 +55,58 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     stop_reason: str | None  # the stop string that ended it (None for EOS or length, as vLLM)
     prompt_tokens: int
+    first_token_at: float | None = None  # time.monotonic() of the first token (the metrics' time to first token)
+
+
+@dataclass(frozen=True)
+class _End:
+    """The last item of a sequence's outbox: why it ended ("eos", "length", "cancelled",
+    "overflow", "abort" when the engine stops, "error" when the engine loop failed)."""
+
+    reason: str
+    error: BaseException | None = None
+
+
+class StepStats:
+    """What the engine loop spends per step beyond the model's forward passes (the bench prints it)."""
+
+    def __init__(self):
+        self.steps = self.tokens = 0
+        self.step_s = self.forward_s = 0.0
+
+    def as_json(self) -> dict:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "tokens": self.tokens, "step_ms": round(1e3 * self.step_s / n, 4),
+                "forward_ms": round(1e3 * self.forward_s / n, 4),
+                "overhead_ms": round(1e3 * (self.step_s - self.forward_s) / n, 4)}
 
 
 class Engine:
-    """Engine rank 0: one sequence at a time (they share each rank's KV cache)."""
+    """Engine rank 0: continuous batching over every rank (scheduler.py decides each step).
+
+    HTTP threads call ``generate``, which queues the request and then drains its outbox; one engine
+    thread (``_loop``) runs the steps: the prompts of requests that join (one pass each), then one
+    decode pass for every running sequence, sampling each row with its own sampler. The loop never
+    writes to a client: tokens go to per-request outboxes, and a request more than
+    ``STREAM_BUFFER_TOKENS`` behind is ended (``overflow``) so its slot serves others.
+    """
 
     def __init__(self, runner: RankRunner):
         self.runner = runner
         self.cfg = runner.cfg
         self.report = runner.report
         self.max_model_len = runner.max_model_len
-        self._lock = threading.Lock()
-        self._last = time.monotonic()
+        self.scheduler = Scheduler(runner.num_seqs, runner.options.max_waiting_requests)
+        # float32 (and float16) matrix products on CPU round differently for one row and for many
+        # (BLAS picks a matrix-vector kernel for one row), so a batched row could differ in the last
+        # bits from the same request alone; those engines run each row as its own pass. bfloat16 on
+        # CPU, the presets' dtype, is batch-invariant (tests/integration/test_batching.py).
+        self.row_by_row = self.cfg.device == "cpu" and runner.model.dtype != torch.bfloat16
+        self.stats = StepStats()
         self.closed = False
-        if runner.world.size > 1:
-            threading.Thread(target=self._keepalive, name="wcache-keepalive", daemon=True).start()
+        self._close_lock = threading.Lock()
+        self._loop_thread = threading.Thread(target=self._loop, name="wcache-engine", daemon=True)
+        self._loop_thread.start()
 
     @classmethod
     def start(cls, cfg: EngineConfig, options: EngineOptions | None = None) -> Engine:
@@ -75,71 +123,180 @@ class Engine:
     def kv_cache(self):
         return self.runner.kv_cache
 
-    def _keepalive(self) -> None:
-        while not self.closed:
-            time.sleep(1.0)
-            with self._lock:
-                if self.closed or time.monotonic() - self._last < KEEPALIVE_S:
-                    continue
-                try:
-                    self.runner.send_request(OP_KEEPALIVE)
-                except RuntimeError as e:
-                    log.error(LOST_PEERS.format(rank=0, error=str(e).splitlines()[0]))
-                    return
-                self._last = time.monotonic()
-
     @property
     def has_draft(self) -> bool:
         return self.runner.draft is not None
 
-    def generate(self, prompt: str, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
-                 on_text=None) -> Completion:
-        """One completion. ``on_text(piece) -> bool`` is told each new piece of final text as it is
-        decoded (textstream.py) and returns True to stop early (a streaming client went away)."""
-        ids = tokenizer.encode(prompt)
-        text = TextStream(stop)
-        sampling = sampling.seeded()  # every rank draws with the same seed
-        gone = False
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences decoded together: --max-num-seqs, or fewer if the KV cache holds fewer."""
+        return self.runner.num_seqs
 
-        def on_token(tok: int) -> bool:
-            nonlocal gone
-            piece = text.push(tok)
+    def num_requests_running(self) -> int:
+        return self.scheduler.num_running()
+
+    def num_requests_waiting(self) -> int:
+        return self.scheduler.num_waiting()
+
+    # -- a request's thread ---------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
+                 on_text=None) -> Completion:
+        """One completion. ``prompt``: text, or token ids used as they are. ``on_text(piece) -> bool``
+        is told each new piece of final text as it is decoded (textstream.py), on this thread, and
+        returns True to stop early (a streaming client went away): the sequence then leaves the
+        batch before the next step. Raises ``QueueFull`` when ``--max-waiting-requests`` wait."""
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), tokenizer.EOS_ID)
+        if self.closed:
+            raise RuntimeError("the engine is stopping")
+        self.scheduler.add(seq)
+        text = TextStream(stop)
+        out: list[int] = []
+        gone = False
+        end = None
+        first_at = None
+        while True:
+            item = seq.outbox.get()
+            if isinstance(item, _End):
+                end = item
+                break
+            if not out:
+                first_at = time.monotonic()
+            out.append(item)
+            piece = text.push(item)
             if on_text is not None and piece and not gone:
                 gone = bool(on_text(piece))
-            return text.stopped or gone
-
-        r = self.runner
-        with self._lock:
-            before = (r.proposed, r.accepted)
-            stops = bool(text.stop) or on_text is not None
-            r.send_request(OP_GENERATE, ids, max_tokens, sampling, stops=stops)
-            out = r.decode(ids, max_tokens, tokenizer.EOS_ID, sampling, on_token=on_token, stops=stops)
-            self._last = time.monotonic()
-        if r.draft is not None:
-            log.info("Speculative decoding (%s): accepted %d of %d draft tokens", r.draft_spec["method"],
-                     r.accepted - before[1], r.proposed - before[0])
+            if text.stopped or gone:
+                self.scheduler.cancel(seq)
+                break
+        if end is not None and end.reason == "error":
+            raise RuntimeError(f"the engine failed: {end.error}") from end.error
         rest = text.finish()
         if on_text is not None and rest and not gone:
             on_text(rest)
-        finish = "stop" if text.stopped or (out and out[-1] == tokenizer.EOS_ID) else "length"
-        return Completion(text.text, out, finish, text.stop_reason, len(ids))
+        if end is not None and end.reason in ("overflow", "abort"):
+            finish = "abort"  # vLLM's finish reason for a request the engine ended
+        else:
+            finish = "stop" if text.stopped or (out and out[-1] == tokenizer.EOS_ID) else "length"
+        return Completion(text.text, out, finish, text.stop_reason, len(ids), first_at)
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
         """Greedy (text, token ids, finish reason, prompt tokens)."""
         c = self.generate(prompt, max_tokens)
         return c.text, c.token_ids, c.finish_reason, c.prompt_tokens
 
+    # -- the engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        r = self.runner
+        try:
+            while True:
+                step = self.scheduler.next_step(KEEPALIVE_S)
+                if step is None:
+                    return  # closed
+                if not step.running:  # idle for KEEPALIVE_S: keep the other ranks' collectives alive
+                    if r.world.size > 1:
+                        r.send_op(OP_KEEPALIVE)
+                    continue
+                self._step(step)
+        except BaseException as e:  # a lost peer: every request still here fails, new ones are refused
+            if isinstance(e, RuntimeError):
+                log.error(LOST_PEERS.format(rank=0, error=str(e).splitlines()[0]))
+            else:
+                log.exception("The engine loop failed")
+            for seq in self.scheduler.close():
+                seq.outbox.put(_End("error", e))
+
+    def _step(self, step) -> None:
+        r, t0 = self.runner, time.perf_counter()
+        forward = 0.0
+        for seq in step.running:  # leave first: requests whose thread stopped reading
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+        rows = [s for s in step.running if s.slot >= 0]
+        if r.draft is not None:  # one slot: at most one sequence, a draft-then-verify round
+            for seq in rows:
+                before = (r.proposed, r.accepted)
+                f0 = time.perf_counter()
+                new = r.speculate(seq.slot, seq.prompt + seq.out, seq.lens)
+                forward += time.perf_counter() - f0
+                seq.spec[0] += r.proposed - before[0]
+                seq.spec[1] += r.accepted - before[1]
+                self._emit(seq, new)
+        else:
+            for group in prompt_groups([s for s in step.joining if s.slot >= 0], r.max_model_len):
+                # Joining requests' prompts (their first tokens): prompts of one length share a pass.
+                f0 = time.perf_counter()
+                logits = r.run(TARGET, [s.slot for s in group], [0] * len(group), [s.prompt for s in group])
+                forward += time.perf_counter() - f0
+                for seq, row in zip(group, logits):
+                    self._emit(seq, [seq.sampler.pick(row)])
+            rows = [s for s in rows if s.slot >= 0]
+            batches = [[s] for s in rows] if self.row_by_row else [rows] if rows else []
+            for batch in batches:  # one decode pass for every running sequence
+                f0 = time.perf_counter()
+                logits = r.run(TARGET, [s.slot for s in batch], [s.position for s in batch],
+                               [[s.out[-1]] for s in batch])
+                forward += time.perf_counter() - f0
+                for seq, tok in zip(batch, pick_rows([s.sampler for s in batch], logits)):
+                    self._emit(seq, [tok])
+        st = self.stats
+        st.steps += 1
+        st.step_s += time.perf_counter() - t0
+        st.forward_s += forward
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Hand new tokens to the request's thread; end the sequence at EOS, max_tokens, or when
+        its thread is too far behind."""
+        for tok in tokens:
+            seq.out.append(tok)
+            self.stats.tokens += 1
+            if seq.outbox.qsize() >= STREAM_BUFFER_TOKENS:
+                log.warning(STREAM_OVERFLOW.format(limit=STREAM_BUFFER_TOKENS))
+                self._finish(seq, "overflow")
+                return
+            seq.outbox.put(tok)
+            if tok == seq.eos or len(seq.out) >= seq.max_tokens:
+                self._finish(seq, "eos" if tok == seq.eos else "length")
+                return
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.slot = -1
+        seq.outbox.put(_End(reason))
+        if self.runner.draft is not None:
+            log.info("Speculative decoding (%s): accepted %d of %d draft tokens", self.runner.draft_spec["method"],
+                     seq.spec[1], seq.spec[0])
+
     def close(self) -> None:
-        with self._lock:
+        with self._close_lock:
             if self.closed:
                 return
             self.closed = True
-            try:
-                self.runner.send_request(OP_STOP)
-            except RuntimeError:
-                pass  # a worker already gone; the supervisor says which
-            finally:  # the leases, and any hand-back offer, go whatever the world did
-                self.runner.close()
+        for seq in self.scheduler.close():
+            seq.outbox.put(_End("abort"))
+        self._loop_thread.join(60.0)  # the step under way ends; then no other thread talks to the ranks
+        if self.stats.steps:
+            log.info(STEP_STATS.format(json=json.dumps(self.stats.as_json(), sort_keys=True)))
+        try:
+            self.runner.send_op(OP_STOP)
+        except RuntimeError:
+            pass  # a worker already gone; the supervisor says which
+        finally:  # the leases, and any hand-back offer, go whatever the world did
+            self.runner.close()
+
+
+def prompt_groups(joining: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
+    """Joining sequences in passes: prompts of the same length together (a pass's rows have one
+    length), at most ``max_tokens`` prompt tokens and header entries per pass, so no pass needs
+    more activation memory than the longest prompt the memory plan measured, or a longer header."""
+    by_length: dict[int, list[Sequence]] = {}
+    for seq in joining:
+        by_length.setdefault(len(seq.prompt), []).append(seq)
+    out = []
+    for length, seqs in by_length.items():
+        per_pass = max(1, (max_tokens + 2) // (length + 2))
+        out += [seqs[i : i + per_pass] for i in range(0, len(seqs), per_pass)]
+    return out
 
 
 def rank_specs(args, loader_config):
@@ -158,7 +315,8 @@ def rank_specs(args, loader_config):
         load_format=args.load_format, loader_config=loader_config, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_capacity=args.cpu_memory_capacity,
         enable_autotune=args.enable_autotune, draft=draft, init_method=plan.init_method,
-        backend="nccl" if base.device == "cuda" else "gloo")
+        backend="nccl" if base.device == "cuda" else "gloo", max_num_seqs=args.max_num_seqs,
+        max_waiting_requests=args.max_waiting_requests)
     model_flags = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
                    "device": base.device, "revision": args.revision}
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
@@ -174,9 +332,11 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     spare passes the rank it ``prepare``d while waiting (``prepared``): only its KV cache is left to do.
     """
     from wcache.engine.server import EngineServer, run_until_signal
+    from wcache.engine.served import ServedModel
     from wcache.engine.supervisor import Supervisor
 
     plan, specs = rank_specs(args, loader_config)
+    served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
     runner = prepared or RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
@@ -184,7 +344,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     server = None
     if plan.drives and answer_while_loading:
         # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer.from_args(args, None, sock)
+        server = EngineServer.from_args(args, None, sock, served)
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
     supervisor = Supervisor(specs[1:], server)
@@ -212,8 +372,9 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         supervisor.stop()
 
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
-        server = EngineServer.from_args(args, engine, sock)
+        server = EngineServer.from_args(args, engine, sock, served)
     server.engine, server.ready = engine, True
+    server.metrics.engine_ready(engine)
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
     if on_ready is not None:
         on_ready(engine, server)

@@ -15,7 +15,12 @@ default the host's physical memory, so CI runs the very same arithmetic). It mus
 * spare reserve (``wcache serve --respawn`` only, else 0): what the waiting hot spare holds on the
   device (engine/spare.py measures it: its context, its own weights if it has a copy, the
   warm-up's workspace), so the serving worker and the spare never over-commit the device;
-* KV cache: the rest, in whole tokens of ``kv_bytes_per_token``.
+* KV cache: the rest, in whole tokens of ``kv_bytes_per_token``. It is cut into slots of
+  ``max_model_len`` tokens, one per running sequence: ``--max-num-seqs`` of them, or as many as
+  the budget holds (``size_num_seqs``). Slots rather than pages of a block pool: a sequence that is
+  admitted has room for its longest continuation, so the scheduler never has to preempt one, and the
+  attention reads one contiguous tensor per row. The price is the tail of each slot that a short
+  sequence leaves unused, which paged attention (vLLM) would lend to others.
 
 When the external weights alone exceed the budget the engine refuses to start
 (``ExternalWeightsExceedBudgetError``): no setting of the engine's own can fix that.
@@ -47,7 +52,10 @@ HELD_OUTSIDE = "Weights are held outside this process: {external} by the weight 
 BUDGET = "Memory budget: {split}"
 PLAN_JSON = "Memory plan (bytes): {json}"
 NO_MEMORY_REPORT = "The weight cache daemon did not report its memory ({error}); counting the {mapped} mapped"
-KV_ALLOCATED = "KV cache: {tokens} tokens allocated ({size}) for --max-model-len {length}; the budget holds {budget}"
+KV_ALLOCATED = ("KV cache: {seqs} sequence(s) of {tokens} tokens allocated ({size}) for --max-model-len {length}; "
+                "the budget holds {budget} tokens")
+SEQS_LOWERED = ("Max number of sequences {want} lowered to {seqs}: the KV cache budget holds {tokens} tokens, "
+                "{seqs} sequence(s) of --max-model-len {length}")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -341,3 +349,14 @@ def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, ma
     if tokens < want:
         log.warning("Max model length %d lowered to %d: the KV cache budget holds no more tokens", want, tokens)
     return min(want, tokens)
+
+
+def size_num_seqs(plan: MemoryPlan, length: int, slot_tokens: int, requested: int, tokens: int | None = None) -> int:
+    """How many sequences the KV cache holds at once: ``--max-num-seqs`` (``requested``), at most
+    the slots of ``slot_tokens`` positions (``length`` plus a draft's look-ahead) that the budget's
+    ``tokens`` hold; at least one, since ``size_max_model_len`` made one fit."""
+    tokens = plan.kv_tokens if tokens is None else tokens
+    fits = max(1, tokens // slot_tokens)
+    if fits < requested:
+        log.warning(SEQS_LOWERED.format(want=requested, seqs=fits, tokens=tokens, length=length))
+    return min(requested, fits)

@@ -21,11 +21,15 @@ from wcache.engine.sampling import SamplingParams
 from wcache.errors import (  # the texts live with every other user-facing text
     MODEL_NOT_FOUND, NO_CHAT_TEMPLATE, NOT_JSON, NOT_AN_OBJECT, UNKNOWN_FIELD, REFUSED_FIELD, PROMPT_REQUIRED,
     PROMPT_SURROGATE, MAX_TOKENS_TYPE, MAX_TOKENS_RANGE, MODEL_TYPE, TEMPERATURE, TOP_P, SEED, STOP, STREAM,
-    STREAM_OPTIONS, SAMPLING_WITH_DRAFT,
+    STREAM_OPTIONS, SAMPLING_WITH_DRAFT, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, PROMPT_LIST_TOO_LONG,
+    CHAT_TEMPLATE_RENDER,
 )
 from wcache.model import tokenizer
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+# Prompts in one request's list: each is decoded on its own thread (the engine batches them), so
+# the list is bounded like the connections are (http_front.Limits.max_connections).
+MAX_PROMPTS = 64
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,10 @@ class Field:
 
 
 COMPLETION_FIELDS: dict[str, Field] = {
-    "model": Field(True, "the served model's name, as `GET /v1/models` lists it (optional; another name is a 404)"),
-    "prompt": Field(True, "one non-empty string (the tokenizer is byte-level: one token per UTF-8 byte, plus BOS)"),
+    "model": Field(True, "one of the served names, as `GET /v1/models` lists them (optional; another name is a 404)"),
+    "prompt": Field(True, "a non-empty string (the tokenizer is byte-level: one token per UTF-8 byte, plus BOS), a "
+                          "list of token ids (used as they are, no BOS added), or a list of up to "
+                          f"{MAX_PROMPTS} of either: one choice per prompt, its `index` the prompt's place"),
     "max_tokens": Field(True, f"tokens to generate, 1 to the model length minus the prompt (default {DEFAULT_MAX_TOKENS})"),
     "temperature": Field(True, "0 to 2; 0 (the default here; vLLM's is 1) is greedy"),
     "top_p": Field(True, "in (0, 1], default 1: sample from the smallest set of tokens that reaches this probability"),
@@ -79,7 +85,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompt: str
+    prompts: tuple[list[int], ...]  # token ids, one list per choice
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -97,52 +103,93 @@ def parse_json_object(body: bytes) -> dict:
     return req
 
 
-def check_model(req: dict, served: str) -> None:
+def check_model(req: dict, served) -> None:
+    """``model``, when given, must be one of the served names (a string or a sequence of them)."""
     model = req.get("model")
     if model is None:
         return
     if not isinstance(model, str):
         raise ApiError(400, MODEL_TYPE, "model")
-    if model != served:
-        raise ApiError(404, MODEL_NOT_FOUND.format(model=model), "model")
+    if model not in ((served,) if isinstance(served, str) else served):
+        raise ApiError(404, MODEL_NOT_FOUND.format(model=model[:256]), "model")
+
+
+def check_fields(req: dict, table: dict[str, Field]) -> None:
+    """Every field is in ``table``; a refused one carries only a neutral value."""
+    for name, value in req.items():
+        spec = table.get(name)
+        if spec is None:
+            raise ApiError(400, UNKNOWN_FIELD.format(field=name[:64]), name[:64])
+        if not spec.supported and not any(value == n and type(value) is type(n) for n in spec.neutral):
+            raise ApiError(400, REFUSED_FIELD.format(field=name, why=spec.what), name)
 
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def parse_completion_request(body: bytes, max_model_len: int, served: str = "", has_draft: bool = False,
-                             ) -> CompletionRequest:
+def parse_completion_request(body: bytes, max_model_len: int, served=(), has_draft: bool = False,
+                             vocab_size: int | None = None) -> CompletionRequest:
     req = parse_json_object(body)
-    for name, value in req.items():
-        spec = COMPLETION_FIELDS.get(name)
-        if spec is None:
-            raise ApiError(400, UNKNOWN_FIELD.format(field=name[:64]), name[:64])
-        if not spec.supported and not any(value == n and type(value) is type(n) for n in spec.neutral):
-            raise ApiError(400, REFUSED_FIELD.format(field=name, why=spec.what), name)
+    check_fields(req, COMPLETION_FIELDS)
     if served:
         check_model(req, served)
-    prompt = req.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, PROMPT_REQUIRED, "prompt")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:  # "\ud800" is valid JSON but no text
-        raise ApiError(400, PROMPT_SURROGATE, "prompt") from None
+    prompts = parse_prompts(req.get("prompt"), vocab_size)
     max_tokens = req.get("max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
+    max_tokens = check_max_tokens("max_tokens", max_tokens, max_model_len, max(len(p) for p in prompts))
+    return CompletionRequest(prompts, max_tokens, parse_sampling(req, has_draft), parse_stop(req.get("stop")),
+                             *parse_stream(req))
+
+
+def _is_ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+
+def parse_prompts(prompt, vocab_size: int | None = None) -> tuple[list[int], ...]:
+    """vLLM's four prompt shapes as token ids: a string, a list of ids, a list of strings, a list of id lists."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise ApiError(400, PROMPT_REQUIRED, "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, PROMPT_LIST_TOO_LONG.format(n=len(prompts), max=MAX_PROMPTS), "prompt")
+    out = []
+    for p in prompts:
+        if isinstance(p, list):
+            bad = next((i for i in p if not 0 <= i < (vocab_size or tokenizer.MIN_VOCAB_SIZE)), None)
+            if bad is not None:
+                raise ApiError(400, TOKEN_OUT_OF_VOCAB.format(id=bad), "prompt")
+            out.append(list(p))
+            continue
+        if not p:
+            raise ApiError(400, PROMPT_REQUIRED, "prompt")
+        try:
+            out.append(tokenizer.encode(p))
+        except UnicodeEncodeError:  # "\ud800" is valid JSON but no text
+            raise ApiError(400, PROMPT_SURROGATE, "prompt") from None
+    return tuple(out)
+
+
+def check_max_tokens(field: str, max_tokens, max_model_len: int, prompt_tokens: int) -> int:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise ApiError(400, MAX_TOKENS_TYPE, "max_tokens")
-    prompt_tokens = len(tokenizer.encode(prompt))
+        raise ApiError(400, MAX_TOKENS_TYPE.format(field=field), field)
     limit = max_model_len - prompt_tokens
     if not 1 <= max_tokens <= limit:
-        raise ApiError(400, MAX_TOKENS_RANGE.format(limit=max(limit, 0), max_model_len=max_model_len,
-                                                    prompt_tokens=prompt_tokens), "max_tokens")
-    return CompletionRequest(prompt, max_tokens, _sampling(req, has_draft), _stop(req.get("stop")), *_stream(req))
+        raise ApiError(400, MAX_TOKENS_RANGE.format(field=field, limit=max(limit, 0), max_model_len=max_model_len,
+                                                    prompt_tokens=prompt_tokens), field)
+    return max_tokens
 
 
-def _sampling(req: dict, has_draft: bool) -> SamplingParams:
+def check_prompt_fits(max_model_len: int, prompt_tokens: int) -> None:
+    if prompt_tokens >= max_model_len:
+        raise ApiError(400, PROMPT_TOO_LONG.format(max_model_len=max_model_len, prompt_tokens=prompt_tokens))
+
+
+def parse_sampling(req: dict, has_draft: bool) -> SamplingParams:
     t = req.get("temperature", 0.0)
     t = 0.0 if t is None else t
     if not _number(t) or not 0 <= t <= 2:
@@ -159,7 +206,7 @@ def _sampling(req: dict, has_draft: bool) -> SamplingParams:
     return SamplingParams(float(t), float(p), seed)
 
 
-def _stop(stop) -> tuple[str, ...]:
+def parse_stop(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
@@ -177,7 +224,7 @@ def _encodable(s: str) -> bool:
         return False
 
 
-def _stream(req: dict) -> tuple[bool, bool]:
+def parse_stream(req: dict) -> tuple[bool, bool]:
     stream = req.get("stream", False)
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
@@ -201,25 +248,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def total_usage(completions) -> dict:
+    return usage(sum(c.prompt_tokens for c in completions), sum(len(c.token_ids) for c in completions))
+
+
 def completion_body(cid: str, model: str, completion) -> dict:
+    """A completion's answer; ``completion`` is one, or a list of one per prompt."""
+    done = completion if isinstance(completion, list) else [completion]
     return {
         "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": completion.text, "token_ids": completion.token_ids, "logprobs": None,
-                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}],
-        "usage": usage(completion.prompt_tokens, len(completion.token_ids)),
+        "choices": [{"index": i, "text": c.text, "token_ids": c.token_ids, "logprobs": None,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(done)],
+        "usage": total_usage(done),
     }
 
 
 def stream_chunk(cid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                 stop_reason: str | None = None) -> dict:
+                 stop_reason: str | None = None, index: int = 0) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
                          "stop_reason": stop_reason}]}
 
 
-def usage_chunk(cid: str, created: int, model: str, completion) -> dict:
-    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-            "usage": usage(completion.prompt_tokens, len(completion.token_ids))}
+def usage_chunk(cid: str, created: int, model: str, completion, obj: str = "text_completion") -> dict:
+    done = completion if isinstance(completion, list) else [completion]
+    return {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": total_usage(done)}
 
 
 def sse(payload: dict | str) -> bytes:
@@ -231,8 +285,35 @@ def sse(payload: dict | str) -> bytes:
 DONE = "[DONE]"
 
 
-def models_body(model: str, created: int, max_model_len: int | None) -> dict:
-    """``GET /v1/models`` in vLLM's shape (a ModelCard per served model)."""
-    return {"object": "list", "data": [{
-        "id": model, "object": "model", "created": created, "owned_by": "wcache", "root": model, "parent": None,
-        "max_model_len": max_model_len}]}
+def model_card(name: str, root: str, created: int, max_model_len: int | None) -> dict:
+    """vLLM's ModelCard: ``id`` a served name, ``root`` the model directory."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "wcache", "root": root, "parent": None,
+            "max_model_len": max_model_len}
+
+
+def models_body(names, created: int, max_model_len: int | None, root: str | None = None) -> dict:
+    """``GET /v1/models`` in vLLM's shape: a ModelCard per served name (``names``: one or a sequence)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    return {"object": "list", "data": [model_card(n, root or names[0], created, max_model_len) for n in names]}
+
+
+class CompletionStream:
+    """A streamed completion's events as vLLM sends them: a chunk per piece of text (``index`` the
+    prompt's), a chunk with each prompt's finish reason, the usage chunk if asked, ``[DONE]``."""
+
+    def __init__(self, model: str, include_usage: bool):
+        self.cid, self.created, self.model, self.include_usage = new_id(), int(time.time()), model, include_usage
+
+    def first(self) -> list:
+        return []
+
+    def text(self, index: int, piece: str) -> list:
+        return [stream_chunk(self.cid, self.created, self.model, piece, index=index)]
+
+    def done(self, index: int, completion) -> list:
+        return [stream_chunk(self.cid, self.created, self.model, "", completion.finish_reason, completion.stop_reason,
+                             index=index)]
+
+    def last(self, completions: list) -> list:
+        usage = [usage_chunk(self.cid, self.created, self.model, completions)] if self.include_usage else []
+        return [*usage, DONE]

@@ -50,6 +50,7 @@ import sys
 import time
 
 from wcache import logs
+from wcache.core import metrics  # the standard library only (prometheus_client is the workers')
 from wcache.engine import handoff
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
 from wcache.engine.reception import Reception
@@ -118,7 +119,7 @@ class Worker:
     """One engine worker process, the two pipes it is driven by (JSON lines, no pickle) and the
     socket its connections are handed over (engine/handoff.py)."""
 
-    def __init__(self, args):
+    def __init__(self, args, metrics_dir: str | None = None):
         control_r, self.control = os.pipe()
         self.status, status_w = os.pipe()
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -127,6 +128,8 @@ class Worker:
         spec = {"args": vars(args), "handoff_fd": theirs.fileno(), "control_fd": control_r, "status_fd": status_w,
                 "parent_pid": os.getpid(), "log_level": args.log_level}
         env = dict(os.environ, **{SPARE_ENV: json.dumps(spec)})
+        if metrics_dir:  # every worker adds to the same counters: they outlive a worker (engine/metrics.py)
+            env[metrics.MULTIPROC_ENV] = metrics_dir
         # Its own process group (in the same session, so a container runtime or tools/k8s_probe.py
         # still sees it): a terminal's Ctrl-C, or a signal to the supervisor's group, reaches the
         # supervisor alone, which stops the workers itself instead of racing their exits.
@@ -203,6 +206,10 @@ class RespawnSupervisor:
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
         self.heartbeat_timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
+        self.metrics_dir = metrics.make_dir("wcache-metrics-")  # the workers' counters (engine/metrics.py)
+
+    def _worker(self) -> Worker:
+        return Worker(self.args, self.metrics_dir)
 
     def workers(self) -> list[Worker]:
         return [w for w in (self.serving, self.spare) if w is not None]
@@ -210,7 +217,7 @@ class RespawnSupervisor:
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.serving = Worker(self.args)
+            self.serving = self._worker()
             log.info(STARTED.format(pid=os.getpid(), host=self.args.host, port=self.args.port, worker=self.serving.pid))
             # The first worker answers /health 503 while it loads, as a plain `wcache serve` does.
             self.serving.promote(answer_while_loading=True)
@@ -219,6 +226,7 @@ class RespawnSupervisor:
             self._stop_workers()
             self.reception.close_all()
             self.sock.close()
+            metrics.remove_dir(self.metrics_dir)
             for s, h in old.items():
                 signal.signal(s, h)
             log.info(STOPPED)
@@ -260,7 +268,7 @@ class RespawnSupervisor:
             if self.spare_at is not None and time.monotonic() >= self.spare_at:
                 self.spare_at = None
                 if self.spare is None:
-                    self.spare = Worker(self.args)
+                    self.spare = self._worker()
             s = self.serving
             if s is not None and s.ready_at is not None and time.monotonic() - s.ready_at >= STABLE_S:
                 self.deaths = 0  # it served long enough: the next death starts a new count
@@ -308,7 +316,7 @@ class RespawnSupervisor:
                 if self._count_crash(w, why):
                     return 1
                 log.warning(SPARE_DIED.format(pid=w.pid, cause=why))
-                self.spare = Worker(self.args)
+                self.spare = self._worker()
                 continue
             self.serving = None
             for frame in w.drain():  # what it said before it died: which answers it had begun
@@ -344,7 +352,7 @@ class RespawnSupervisor:
 
     def _promote(self) -> None:
         self.promote_at = None
-        w, self.spare = self.spare or Worker(self.args), None
+        w, self.spare = self.spare or self._worker(), None
         self.serving = w
         w.promote(answer_while_loading=False)  # clients wait in the backlog until it is ready
 

@@ -10,20 +10,24 @@ the socket from the rank's local rank), then all ranks of the engine meet in one
 Every rank sizes its own KV cache from its own memory budget (memory.py); the ranks then agree on
 the least of their lengths, so the engine's ``max_model_len`` fits every rank.
 
-The computation is SPMD: engine rank 0 serves HTTP (engine.py) and, for each request, broadcasts a
-small int64 header and the prompt's token ids; every rank then runs the same decoding loop.
+The computation is SPMD, one forward pass at a time: engine rank 0 decides every pass (the
+scheduler, scheduler.py, picks the batch; engine.py samples, checks stops and streams) and, before
+each, broadcasts one fixed-length int64 header saying which model runs over which rows: the
+rows' KV cache slots, their start positions and their new tokens. Every other rank runs exactly
+that pass (``follow``), so the ranks stay in lockstep with nothing to decide of their own.
 Tensor-parallel ranks all-reduce the two row-parallel projections of every layer
 (``Llama.set_all_reduce``); pipeline stages hand hidden states to the next stage with send/recv;
-the last stage broadcasts the logits, so every rank takes the same decision: greedy, or the same
-seeded draw (sampling.py; the settings travel in the request header). Where rank 0 may end a
-sequence early (a stop string, a streaming client gone) it tells the others after every token.
-Nothing but tensors crosses between ranks (no pickle).
+the last stage's first rank sends the logits to rank 0, the only rank that samples (the token it
+picks reaches the others in the next header). Nothing but tensors crosses between ranks (no pickle).
+
+Each rank's KV cache holds ``num_seqs`` slots of ``max_model_len`` positions (memory.py sizes it:
+``--max-num-seqs`` at most, as many as the budget holds); a running sequence owns one slot.
 
 With ``--speculative-config`` every rank also holds its shard of a draft model (from the draft
 daemon group's ``_draft`` sockets when the method is cached); decoding is then greedy
-draft-then-verify: the draft proposes ``num_speculative_tokens`` tokens, the target scores them in
-one forward pass, and the longest agreeing prefix plus the target's own next token is kept. The
-output is the target's greedy output.
+draft-then-verify, one sequence at a time (one slot): the draft proposes ``num_speculative_tokens``
+tokens, the target scores them in one forward pass, and the longest agreeing prefix plus the
+target's own next token is kept. The output is the target's greedy output.
 """
 
 from __future__ import annotations
@@ -51,16 +55,25 @@ from wcache.engine.loading.registry import load_weights
 from wcache.engine.sampling import GREEDY, Sampler, SamplingParams
 from wcache.engine.world import LOST_PEERS, World
 from wcache.errors import UserError
-from wcache.model import tokenizer
 from wcache.model.llama import Llama, bind_weights, build_meta_model
 from wcache.wire.handback import withdraw_offers
 
 log = logging.getLogger("wcache.engine")
 
 SPEC_ENV = "WCACHE_WORKER_SPEC"
-OP_GENERATE, OP_STOP, OP_KEEPALIVE = 1, 2, 3
+OP_FORWARD, OP_STOP, OP_KEEPALIVE = 1, 2, 3
+TARGET, DRAFT = 0, 1  # which model a forward pass runs
+HEADER_FIXED = 5  # op, model, rows, tokens per row, logits_from; then slots, starts and tokens
 DEFAULT_MAX_MODEL_LEN = 2048
 WARM_UP_TOKENS = 8  # a hot spare's warm-up prefill (runner.warm_up)
+# vLLM's default (its V1 engine picks 256 or 1024 by hardware). Every slot holds a whole
+# --max-model-len, so the KV cache for 256 slots is allocated at start; memory.py lowers it to what
+# the budget holds. tiny: 256 x 512 tokens x 1 KiB = 128 MiB; llama-8b: 256 x 2048 x 128 KiB = 64 GiB.
+DEFAULT_MAX_NUM_SEQS = 256
+# Requests that may wait for a slot; past it a 503 with Retry-After (vLLM's queue has no bound). Every
+# waiting request holds an HTTP connection, so this only bites once slots are few (a small KV
+# budget, a speculative engine's single slot) or the front door allows more connections.
+DEFAULT_MAX_WAITING_REQUESTS = 128
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,8 @@ class EngineOptions:
     draft: dict | None = None  # {"method", "model", "k", "cached"} of --speculative-config
     init_method: str | None = None  # the engine world's rendezvous (tcp://addr:port)
     backend: str = "gloo"
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences decoded together (--max-num-seqs)
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # queued beyond them; then 503 (rank 0)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -110,6 +125,8 @@ class RankRunner:
         self.memory: memory.MemoryPlan | None = None
         self.max_model_len = 0
         self.kv_cache = self.draft_cache = None
+        self.num_seqs = 1  # KV cache slots: sequences that run at once
+        self.header_len = HEADER_FIXED
         self.proposed = self.accepted = 0
         self.spare_reserve = 0  # --respawn: device bytes the waiting spare holds (memory.MemoryPlan)
         self.trace: list | None = None  # set to a list to record every forward pass's logits (tests)
@@ -236,107 +253,132 @@ class RankRunner:
         self.max_model_len = memory.size_max_model_len(plan, o.max_model_len, DEFAULT_MAX_MODEL_LEN,
                                                        cfg.shape.max_positions, tokens=tokens)
         size = self.max_model_len + lookahead
-        self.kv_cache = self.model.new_cache(size)  # one sequence at a time reuses it
+        # A speculative engine decodes one sequence at a time (see engine.py): one slot.
+        want_seqs = 1 if self.draft is not None else o.max_num_seqs
+        self.num_seqs = memory.size_num_seqs(plan, self.max_model_len, size, want_seqs, tokens=tokens + lookahead)
+        self.kv_cache = self.model.new_cache(size, self.num_seqs)
         if self.draft is not None:
-            self.draft_cache = self.draft.new_cache(size)
-        log.info(memory.KV_ALLOCATED.format(tokens=size, size=memory.format_bytes(size * plan.kv_bytes_per_token),
-                                            length=self.max_model_len, budget=plan.kv_tokens))
+            self.draft_cache = self.draft.new_cache(size, self.num_seqs)
+        # The longest header: one row of a whole sequence (a prefill), or one token of every slot.
+        self.header_len = HEADER_FIXED + max(2 + size, 3 * self.num_seqs)
+        log.info(memory.KV_ALLOCATED.format(
+            seqs=self.num_seqs, tokens=size, size=memory.format_bytes(self.num_seqs * size * plan.kv_bytes_per_token),
+            length=self.max_model_len, budget=plan.kv_tokens))
 
     def close(self) -> None:
         """Let go of every lease: zero_copy tells the daemons we no longer map their memory."""
         for loaded in self.loads:
             loaded.close()
 
-    # -- the request channel (rank 0 sends, the others receive) ------------------------------
-    def send_request(self, op: int, prompt: list[int] = (), max_tokens: int = 0, sampling: SamplingParams = GREEDY,
-                     stops: bool = False) -> None:
-        self.world.send_request(op, prompt, max_tokens, with_prompt=op == OP_GENERATE, sampling=sampling.as_ints(),
-                                stops=stops)
-
-    def recv_request(self) -> tuple[int, list[int], int, SamplingParams, bool]:
-        op, prompt, max_tokens, sampling, stops = self.world.recv_request(lambda op: op == OP_GENERATE)
-        return op, prompt, max_tokens, SamplingParams.from_ints(sampling), stops
-
     # -- one forward pass over the whole engine ----------------------------------------------
-    def forward(self, model: Llama, cache, tokens: list[int], start: int, logits_from: int | None = None):
-        """Logits (float32) on every rank: of the last position, or of positions ``logits_from``
-        onwards. Stages pass hidden states down the pipeline; the last stage broadcasts."""
-        s = model.shape
-        T = len(tokens)
+    def run(self, model: int, slots: list[int], starts: list[int], tokens: list[list[int]],
+            logits_from: int | None = None) -> torch.Tensor:
+        """Rank 0: tell every rank which pass to run, run it, and return its logits (float32): of
+        each row's last position, (B, vocab), or of positions ``logits_from`` onwards, (B, T', vocab).
+        Every row brings the same number of new tokens."""
+        T = len(tokens[0])
+        flat = [t for row in tokens for t in row]
+        lf = -1 if logits_from is None else logits_from
+        self.world.send_step([OP_FORWARD, model, len(slots), T, lf, *slots, *starts, *flat], self.header_len)
+        return self.forward(model, slots, starts, flat, T, lf)
+
+    def send_op(self, op: int) -> None:
+        """Rank 0: OP_STOP or OP_KEEPALIVE to the other ranks."""
+        self.world.send_step([op], self.header_len)
+
+    def follow(self) -> int:
+        """Any rank but 0: run each pass rank 0 announces; the op that ended it (OP_STOP)."""
+        while True:
+            h = self.world.recv_step(self.header_len)
+            op = h[0]
+            if op == OP_STOP:
+                return op
+            if op != OP_FORWARD:
+                continue  # a keepalive
+            model, B, T, lf = h[1:5]
+            slots, starts = h[HEADER_FIXED : HEADER_FIXED + B], h[HEADER_FIXED + B : HEADER_FIXED + 2 * B]
+            base = HEADER_FIXED + 2 * B
+            self.forward(model, slots, starts, h[base : base + B * T], T, lf)
+
+    @torch.inference_mode()
+    def forward(self, model_id: int, slots: list[int], starts: list[int], tokens: list[int], T: int, lf: int):
+        """This rank's part of one pass. Stages pass hidden states down the pipeline; the last
+        stage's first rank sends the logits to rank 0. Returns the logits on rank 0, else None."""
+        model, cache = (self.model, self.kv_cache) if model_id == TARGET else (self.draft, self.draft_cache)
+        s, B = model.shape, len(slots)
         if s.first_stage:
-            x = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            x = torch.tensor(tokens, dtype=torch.long, device=self.device).view(B, T)
         else:
-            x = self.world.recv_hidden((T, s.hidden_size), model.dtype, self.device)
-        out = model(x, start, cache, all_positions=logits_from is not None)
+            x = self.world.recv_hidden((B * T, s.hidden_size), model.dtype, self.device)
+        out = model(x, starts, cache, all_positions=lf >= 0, slots=slots)
+        logits = None
         if not s.last_stage:
             self.world.send_hidden(out)
-            shape = (T - logits_from, s.vocab_size) if logits_from is not None else (s.vocab_size,)
-            logits = torch.empty(shape, dtype=torch.float32, device=self.device)
+            if self.rank == 0:
+                shape = (B, T - lf, s.vocab_size) if lf >= 0 else (B, s.vocab_size)
+                logits = self.world.recv_logits(shape, self.device)
         else:
-            logits = (out[logits_from:] if logits_from is not None else out).contiguous()
-        self.world.broadcast_logits(logits)
+            logits = out[:, lf:] if lf >= 0 else out
+            if self.rank == self.world.logits_rank and self.rank != 0:
+                self.world.send_logits(logits)
+        if self.rank != 0:
+            return None
         if self.trace is not None:
             self.trace.append(logits.clone())
         return logits
 
-    # -- the decoding loop: greedy or sampled, with or without a draft ---------------------------
-    @torch.inference_mode()
+    # -- one sequence alone (tests, and the speculative engine's rounds) ------------------------
+    def speculate(self, slot: int, committed: list[int], lens: list[int]) -> list[int]:
+        """One greedy draft-then-verify round for the sequence ``committed`` (prompt and output so
+        far) in ``slot``: the new tokens, 1 to k + 1 of them. ``lens`` = [target, draft] positions
+        of the two KV caches that hold committed tokens; updated here."""
+        k = self.draft_spec["k"]
+        t_len, d_len = lens
+        proposals, feed = [], committed[d_len:]
+        for _ in range(k):
+            logits = self.run(DRAFT, [slot], [d_len], [feed])
+            d_len += len(feed)
+            feed = [int(torch.argmax(logits[0]))]
+            proposals.append(feed[0])
+        pending = committed[t_len:]
+        # One target pass scores every proposal: logits at the last committed token and after each proposal.
+        preds = self.run(TARGET, [slot], [t_len], [pending + proposals],
+                         logits_from=len(pending) - 1)[0].argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < k and preds[accepted] == proposals[accepted]:
+            accepted += 1
+        self.proposed += k
+        self.accepted += accepted
+        lens[0] = t_len + len(pending) + accepted
+        lens[1] = len(committed) + min(accepted, k - 1)
+        return proposals[:accepted] + [preds[accepted]]
+
     def decode(self, prompt: list[int], max_tokens: int, eos: int | None, sampling: SamplingParams = GREEDY,
-               on_token=None, stops: bool = False) -> list[int]:
-        """Tokens after ``prompt``. Without a draft every step proposes nothing and the target alone
-        picks the next token (sampling.py); with one (greedy only), each step verifies ``k`` draft
-        tokens at once. ``on_token(token) -> bool`` (rank 0) is told each token and may stop the
-        sequence; with ``stops`` every rank asks rank 0 after each token whether it did."""
-        if max_tokens < 1:
-            return []
-        sampler = Sampler(sampling)
-        k = self.draft_spec["k"] if self.draft is not None else 0
-        committed, out = list(prompt), []
-        t_len = d_len = 0  # positions of each KV cache that hold committed tokens
-        while True:
-            proposals = []
-            if k:
-                feed = committed[d_len:]
-                for _ in range(k):
-                    logits = self.forward(self.draft, self.draft_cache, feed, d_len)
-                    d_len += len(feed)
-                    feed = [int(torch.argmax(logits))]
-                    proposals.append(feed[0])
-            pending = committed[t_len:]
-            # One target pass scores every proposal: logits at the last committed token and after each proposal.
-            if k:
-                preds = self.forward(self.model, self.kv_cache, pending + proposals, t_len,
-                                     logits_from=len(pending) - 1).argmax(dim=-1).tolist()
+               slot: int = 0) -> list[int]:
+        """Rank 0: the tokens after ``prompt`` for one sequence alone in ``slot`` (the engine's own
+        loop is engine.py's; this is the same passes for a single sequence)."""
+        sampler, out = Sampler(sampling), []
+        committed, lens = list(prompt), [0, 0]
+        while len(out) < max_tokens:
+            if self.draft is not None:
+                new = self.speculate(slot, committed, lens)
             else:
-                preds = [sampler.pick(self.forward(self.model, self.kv_cache, pending, t_len))]
-            accepted = 0
-            while accepted < k and preds[accepted] == proposals[accepted]:
-                accepted += 1
-            self.proposed += k
-            self.accepted += accepted
-            t_len += len(pending) + accepted
-            d_len = len(committed) + min(accepted, max(k - 1, 0))
-            new = proposals[:accepted] + [preds[accepted]]
-            committed += new
+                start = len(committed) - 1 if out else 0
+                new = [sampler.pick(self.run(TARGET, [slot], [start], [committed[start:]])[0])]
             for tok in new:
+                committed.append(tok)
                 out.append(tok)
-                stop = on_token(tok) if on_token is not None else False
-                if stops:
-                    stop = self.world.share_flag(stop)
-                if stop or tok == eos or len(out) == max_tokens:
+                if tok == eos or len(out) == max_tokens:
                     return out
+        return out
 
 
 def serve_requests(runner: RankRunner) -> int:
-    """A non-driving rank: run every request rank 0 broadcasts, until it says stop."""
+    """A non-driving rank: run every pass rank 0 announces, until it says stop."""
     try:
-        while True:
-            op, prompt, max_tokens, sampling, stops = runner.recv_request()
-            if op == OP_STOP:
-                log.info("Engine rank %d stopping", runner.rank)
-                return 0
-            if op == OP_GENERATE:
-                runner.decode(prompt, max_tokens, tokenizer.EOS_ID, sampling, stops=stops)
+        runner.follow()
+        log.info("Engine rank %d stopping", runner.rank)
+        return 0
     except RuntimeError as e:
         log.error(LOST_PEERS.format(rank=runner.rank, error=str(e).splitlines()[0]))
         return 1

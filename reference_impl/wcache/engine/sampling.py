@@ -3,8 +3,9 @@
 Temperature 0 is ``argmax``, exactly the engine's greedy decoding. Above it the logits are divided
 by the temperature, the smallest set of tokens whose probability reaches ``top_p`` is kept, and one
 is drawn with a CPU ``torch.Generator`` seeded from the request's ``seed`` (a random one when it has
-none). Every engine rank receives the same logits and the same settings (``World.send_request``),
-so every rank draws the same token without exchanging it.
+none). Only engine rank 0 samples (the other ranks receive the picked token in the next step's
+header, runner.py). In a batch every sequence keeps its own generator, and its row of the logits
+is the logits it would have alone, so a seeded request draws the same tokens alone or batched.
 """
 
 from __future__ import annotations
@@ -74,3 +75,11 @@ class Sampler:
             sorted_probs[before >= p.top_p] = 0.0  # the top token always stays (its "before" is 0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def pick_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """One token per row of ``logits`` (B, vocab): one argmax for the whole batch when every row
+    is greedy (the common case, and one device-to-host copy), else each row by its own sampler."""
+    if all(s.generator is None for s in samplers):
+        return logits.argmax(dim=-1).tolist()
+    return [s.pick(row) for s, row in zip(samplers, logits)]

@@ -4,9 +4,12 @@
 | --- | --- |
 | ``GET /health``, ``HEAD /health`` | 200 once weights are bound, 503 while they load or drain |
 | ``GET /version``, ``GET /metrics`` | what runs; Prometheus metrics (the health lane, with /health) |
-| ``GET /v1/models`` | the served model, in vLLM's shape |
+| ``GET /v1/models`` | the served names, in vLLM's shape |
+| ``GET /v1/models/{id}`` | one served name's card, or a 404 |
 | ``POST /v1/completions`` | a completion, or with ``"stream": true`` server-sent events |
-| ``POST /v1/chat/completions`` | refused as vLLM refuses a model without a chat template |
+| ``POST /v1/chat/completions`` | a chat completion (chat.py), streamed or not |
+
+With an API key (auth.py), every ``/v1/`` route first answers 401 to a request without it.
 
 A body is read only with a valid, bounded Content-Length and under the request's deadline; any
 JSON the parser refuses (a lone surrogate, nesting past the stack, an integer past the digit limit)
@@ -17,22 +20,26 @@ it binds or on a listening socket it is handed (``sock=``).
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
 import re
 import signal
 import threading
 import time
+from urllib.parse import unquote
 
-from wcache.engine import http_front
+from wcache.engine import chat, fanout, http_front
 from wcache.engine import openai_api as api
+from wcache.engine.served import ServedModel
 from wcache.engine.access_log import CLIENT_CLOSED
 from wcache.engine.client_gone import peer_closed
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
+from wcache.engine.scheduler import QueueFull
 from wcache.engine.version_info import version_body
-from wcache.errors import (BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS, NO_ROUTE, NOT_ALLOWED,
-                           SHUTTING_DOWN, TOO_LARGE)
+from wcache.errors import (API_KEY_MISSING, API_KEY_WRONG, BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS,
+                           NO_ROUTE, NOT_ALLOWED, QUEUE_FULL, SHUTTING_DOWN, TOO_LARGE)
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
+from wcache.engine.metrics import EngineMetrics
 
 log = logging.getLogger("wcache.server")
 
@@ -43,6 +50,7 @@ MAX_DISCARD_BYTES = 16 << 20
 READ_TIMEOUT_S = DEFAULT_LIMITS.read_timeout_s  # each read of a request
 BODY_DEADLINE_S = REQUEST_DEADLINE_S = DEFAULT_LIMITS.request_deadline_s  # the whole request from its first byte
 MAX_CONNECTIONS = DEFAULT_LIMITS.max_connections  # connections served at once (each is a thread)
+RETRY_AFTER_S = 1  # a full waiting queue's Retry-After: a slot frees as soon as any running request ends
 _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit numbers
 
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
@@ -53,19 +61,27 @@ ROUTES = {
     ("GET", "/version"): '`{"version", "commit", "torch", "device"}`: wcache\'s version, the git commit when run '
                          'from a checkout (else `null`), torch\'s version, the device (`null` while loading)',
     ("GET", "/metrics"): "Prometheus metrics, in the text exposition format ([Monitoring](monitoring.md))",
-    ("GET", "/v1/models"): "the served model (its directory, as given) in vLLM's shape: `id`, `object`, `created`, "
-                           "`owned_by` (`wcache`), `root`, `parent`, `max_model_len`",
-    ("POST", "/v1/completions"): "a completion in vLLM's shape (`choices[0]` adds `token_ids` and `stop_reason`); "
-                                 "with `\"stream\": true`, server-sent events",
-    ("POST", "/v1/chat/completions"): "400: the byte-level tokenizer has no chat template (vLLM's answer for such a "
-                                      "model); an unknown `model` is a 404 first",
+    ("GET", "/v1/models"): "a card per served name (`--served-model-name`, default the model directory as given) "
+                           "in vLLM's shape: `id`, `object`, `created`, `owned_by` (`wcache`), `root` (the model "
+                           "directory), `parent`, `max_model_len`",
+    ("GET", "/v1/models/{id}"): "the card of one served name (URL-encoded), or a 404",
+    ("POST", "/v1/completions"): "a completion in vLLM's shape, a choice per prompt (each adds `token_ids` and "
+                                 "`stop_reason`); with `\"stream\": true`, server-sent events",
+    ("POST", "/v1/chat/completions"): "a chat completion in vLLM's shape (`chat.completion`, `choices[0].message`); "
+                                      "with `\"stream\": true`, server-sent `chat.completion.chunk` events",
 }
 # Every refusal the routes and the front door give: (status, message, when); the type is the status's.
 REFUSALS = [
     (400, api.UNKNOWN_FIELD, "a field the table above does not list"),
     (400, api.REFUSED_FIELD, "a refused field with anything but its neutral value"),
-    (404, api.MODEL_NOT_FOUND, "`model` is not the served model's name"),
-    (400, api.NO_CHAT_TEMPLATE, "any `POST /v1/chat/completions`"),
+    (404, api.MODEL_NOT_FOUND, "`model` (or `GET /v1/models/{id}`) is not a served name"),
+    (400, api.NO_CHAT_TEMPLATE, "a `POST /v1/chat/completions` when the engine has no chat template"),
+    (400, api.CHAT_TEMPLATE_RENDER, "the template refused the messages (its `raise_exception`) or failed on them"),
+    (400, api.PROMPT_TOO_LONG, "a chat prompt that leaves no room for one token"),
+    (400, api.TOKEN_OUT_OF_VOCAB, "a prompt of token ids with one past the model's vocabulary"),
+    (400, api.PROMPT_LIST_TOO_LONG, f"more than {api.MAX_PROMPTS} prompts in one request"),
+    (401, API_KEY_MISSING, "with an API key set: a `/v1/` request without `Authorization: Bearer`"),
+    (401, API_KEY_WRONG, "with an API key set: a `/v1/` request with another key"),
     (400, api.NOT_JSON, "the body is not JSON (bad UTF-8, a lone surrogate, nesting too deep)"),
     (400, http_front.BOTH_FRAMINGS, "`Transfer-Encoding` and `Content-Length` together"),
     (400, http_front.MANY_LENGTHS, "two `Content-Length` headers, or a list of lengths"),
@@ -80,6 +96,8 @@ REFUSALS = [
     (503, SHUTTING_DOWN, "a completion still running at the drain's deadline (a stream gets it as an SSE "
                          "`error` event, then `[DONE]`)"),
     (503, LOADING, "a request before the weights are loaded"),
+    (503, QUEUE_FULL, "`--max-waiting-requests` requests already wait for a batch slot; the answer carries "
+                      "`Retry-After: 1`"),
     (404, NO_ROUTE, "any other method or path"),
 ]
 
@@ -91,11 +109,13 @@ MetricsRenderer = "Callable[[], tuple[bytes, str]]"
 
 
 class EngineServer(FrontDoorServer):
-    def __init__(self, address, engine, model_name: str, limits: Limits = DEFAULT_LIMITS, sock=None):
+    def __init__(self, address, engine, model_name: str | ServedModel, limits: Limits = DEFAULT_LIMITS, sock=None):
         self.engine = engine
-        self.model_name = model_name
+        self.served = ServedModel.of(model_name)  # names, chat template, API keys
+        self.model_name = self.served.name
         self.ready = engine is not None
         self.created = int(time.time())
+        self.metrics = EngineMetrics(self)  # GET /metrics (engine/metrics.py), read by the health lane
         self.draining = False  # a SIGTERM came: /health is 503 from then on (engine/drain.py)
         self.aborting = threading.Event()  # the drain's deadline passed: running completions end with an error
         self.render_metrics = None  # MetricsRenderer, or None (404)
@@ -107,10 +127,11 @@ class EngineServer(FrontDoorServer):
 
 
     @classmethod
-    def from_args(cls, args, engine, sock=None) -> EngineServer:
-        """The server ``wcache serve``'s flags describe (flags the parser lacks keep their defaults)."""
+    def from_args(cls, args, engine, sock=None, served: ServedModel | None = None) -> EngineServer:
+        """The server ``wcache serve``'s flags describe (flags the parser lacks keep their defaults);
+        ``served``: what ServedModel.from_args(args) read once, before the weights loaded."""
         limits = Limits(max_connections=getattr(args, "max_concurrent_connections", DEFAULT_LIMITS.max_connections))
-        server = cls((args.host, args.port), engine, args.model, limits=limits, sock=sock)
+        server = cls((args.host, args.port), engine, served or args.model, limits=limits, sock=sock)
         server.log_requests = not getattr(args, "disable_log_requests", False)
         server.shutdown_delay = getattr(args, "shutdown_delay", SHUTDOWN_DELAY_S)
         server.shutdown_timeout = getattr(args, "shutdown_timeout", SHUTDOWN_TIMEOUT_S)
@@ -145,12 +166,31 @@ class _Handler(FrontDoorHandler):
             body, content_type = render()
             self.send_bytes(200, body, content_type)
 
-    def do_GET(self):
+    def _unauthorized(self) -> bool:
+        """A 401 (the body, if any, unread) for a /v1/ request without the API key; never logs a key."""
+        why = self.server.served.api_keys.refusal(self.path.split("?", 1)[0], self.headers.get("Authorization"))
+        if why is None:
+            return False
+        self.close_connection = True
         self.begin_answer()
-        if self.path == "/v1/models":
-            engine = self.server.engine if self.server.ready else None
-            self.send_json(200, api.models_body(self.server.model_name, self.server.created,
-                                                engine.max_model_len if engine is not None else None))
+        self._error(401, why)
+        return True
+
+    def do_GET(self):
+        if self._unauthorized():
+            return
+        self.begin_answer()
+        served, path = self.server.served, self.path.split("?", 1)[0]
+        engine = self.server.engine if self.server.ready else None
+        max_model_len = engine.max_model_len if engine is not None else None
+        if path == "/v1/models":
+            self.send_json(200, api.models_body(served.names, self.server.created, max_model_len, served.root))
+        elif path.startswith("/v1/models/"):
+            name = unquote(path[len("/v1/models/"):])
+            if name in served.names:
+                self.send_json(200, api.model_card(name, served.root, self.server.created, max_model_len))
+            else:
+                self._error(404, api.MODEL_NOT_FOUND.format(model=name[:256]), "model")
         else:
             self._error(404, NO_ROUTE.format(method="GET", path=self.path[:200]))
 
@@ -188,6 +228,8 @@ class _Handler(FrontDoorHandler):
             pass
 
     def do_POST(self):
+        if self._unauthorized():
+            return
         if ("POST", self.path) not in ROUTES:
             self.close_connection = True  # its body is not read
             self.begin_answer()
@@ -200,13 +242,17 @@ class _Handler(FrontDoorHandler):
         if not self.server.ready:
             self._error(503, LOADING)
             return
+        engine, served = self.server.engine, self.server.served
+        is_chat = self.path == "/v1/chat/completions"
         try:
-            if self.path == "/v1/chat/completions":
-                req = api.parse_json_object(body)
-                api.check_model(req, self.server.model_name)
-                raise api.ApiError(400, api.NO_CHAT_TEMPLATE)
-            engine = self.server.engine
-            req = api.parse_completion_request(body, engine.max_model_len, self.server.model_name, engine.has_draft)
+            if is_chat:
+                req = chat.parse_chat_request(body, served.chat_template, engine.max_model_len, served.names,
+                                              engine.has_draft)
+                prompts = [req.prompt]
+            else:
+                req = api.parse_completion_request(body, engine.max_model_len, served.names, engine.has_draft,
+                                                   engine.cfg.hf.get("vocab_size"))
+                prompts = list(req.prompts)
         except api.ApiError as e:
             self.send_json(e.status, e.body())
             return
@@ -214,22 +260,32 @@ class _Handler(FrontDoorHandler):
         if aborting.is_set():
             self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
             return
-        if req.stream:
-            self._stream(engine, req)
-            return
-        gone = cut = False
+        with self.server.metrics.request() as timing:
+            if req.stream:
+                events = (chat.ChatStream if is_chat else api.CompletionStream)(served.name, req.include_usage)
+                self._stream(engine, prompts, req, events, timing)
+                return
+            gone = cut = False
 
-        def on_text(_piece: str) -> bool:
-            # Asked at each new piece of text: the client left (nobody to answer), or the drain's
-            # deadline passed. Either stops decoding at this token.
-            nonlocal gone, cut
-            record.token()
-            gone = gone or peer_closed(self.connection)
-            cut = cut or aborting.is_set()
-            return gone or cut
+            def on_text(_piece: str) -> bool:
+                # Asked at each new piece of text (of any prompt of the request): the client left
+                # (nobody to answer), or the drain's deadline passed. Either stops decoding at this token.
+                nonlocal gone, cut
+                record.token()
+                timing.first_token()
+                gone = gone or peer_closed(self.connection)
+                cut = cut or aborting.is_set()
+                return gone or cut
 
-        done = engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop, on_text=on_text)
-        record.prompt_tokens, record.generation_tokens = done.prompt_tokens, len(done.token_ids)
+            try:
+                done = fanout.run_all(engine, prompts, req, on_text)
+            except QueueFull as e:
+                self._queue_full(e)
+                return
+            for c in done:
+                timing.finish(c, "abort" if gone or cut else None)
+        record.prompt_tokens = sum(c.prompt_tokens for c in done)
+        record.generation_tokens = sum(len(c.token_ids) for c in done)
         if gone:
             self.close_connection = True
             record.status = CLIENT_CLOSED
@@ -238,68 +294,90 @@ class _Handler(FrontDoorHandler):
             self.close_connection = True
             self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
             return
-        self.send_json(200, api.completion_body(api.new_id(), self.server.model_name, done))
+        self.send_json(200, chat.chat_body(chat.new_id(), served.name, done[0]) if is_chat
+                       else api.completion_body(api.new_id(), served.name, done))
 
-    def _stream(self, engine, req: api.CompletionRequest) -> None:
-        """Server-sent events, as vLLM sends them: a chunk per piece of text, a last chunk with the
-        finish reason, the usage chunk if asked, then ``data: [DONE]``. The engine decodes on its own
-        thread; a client that goes away stops the decoding at its next token, and so does the drain's
-        deadline, which ends the stream with an ``error`` event and ``[DONE]``."""
-        cid, created, model = api.new_id(), int(time.time()), self.server.model_name
-        pieces: queue.Queue = queue.Queue()
+    def _queue_full(self, e: QueueFull) -> None:
+        """503 with Retry-After: the engine's waiting queue is full (--max-waiting-requests)."""
+        body = json.dumps(api.error_body(503, QUEUE_FULL.format(waiting=e.waiting, max=e.limit))).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Retry-After", str(RETRY_AFTER_S))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _stream(self, engine, prompts: list, req, events, timing) -> None:
+        """Server-sent events, as vLLM sends them (``events`` says which: openai_api.CompletionStream,
+        chat.ChatStream). The engine decodes on other threads (fanout.py) and this thread writes the
+        events as the engine loop hands it tokens (the loop itself never waits for a client); a
+        client that goes away stops the decoding at its next token, and so does the drain's
+        deadline, which ends the stream with an ``error`` event and ``[DONE]``. The 200 goes out
+        with the first event, so a full waiting queue can still be a 503."""
         gone = threading.Event()
         record, aborting = self.record, self.server.aborting
+        started = False
 
-        def on_text(piece: str) -> bool:
+        def start() -> None:
+            nonlocal started
+            started = True
+            self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            if self.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.close_connection = True
+                self.send_header("Connection", "close")
+            self.end_headers()
+            for payload in events.first():
+                self._event(payload, gone)
+
+        def stop() -> bool:
             record.token()
-            pieces.put(("text", piece))
+            timing.first_token()
             return gone.is_set() or aborting.is_set()
 
-        def run() -> None:
-            try:
-                pieces.put(("done", engine.generate(req.prompt, req.max_tokens, req.sampling, req.stop,
-                                                    on_text=on_text)))
-            except BaseException as e:  # reported below, on the request's thread
-                pieces.put(("error", e))
-
-        self.chunked = self.request_version == "HTTP/1.1"  # an HTTP/1.0 client reads to the close instead
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
-        threading.Thread(target=run, name="wcache-stream", daemon=True).start()
-        while True:
-            kind, item = pieces.get()
-            if kind == "text":
-                self._event(api.stream_chunk(cid, created, model, item), gone)
-                continue
+        done: list = [None] * len(prompts)
+        for kind, i, item in fanout.stream(engine, prompts, req, stop):
             if kind == "error":
+                if isinstance(item, QueueFull) and not started:
+                    self._queue_full(item)
+                    return
                 self.close_connection = True
                 log.error("A streamed completion failed: %s", item)
+                if not started:
+                    self._error(500, str(item)[:200])
                 return
-            record.prompt_tokens, record.generation_tokens = item.prompt_tokens, len(item.token_ids)
-            if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
-                self.close_connection = True
-                self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
-            else:
-                self._event(api.stream_chunk(cid, created, model, "", item.finish_reason, item.stop_reason), gone)
-                if req.include_usage:
-                    self._event(api.usage_chunk(cid, created, model, item), gone)
+            if not started:
+                start()
+            if kind == "done":
+                done[i] = item
+                timing.finish(item, "abort" if gone.is_set() or aborting.is_set() else None)
+                if aborting.is_set():
+                    continue  # the stream ends with the drain's error below
+            for payload in (events.text(i, item) if kind == "text" else events.done(i, item)):
+                self._event(payload, gone)
+        if not started:
+            start()
+        record.prompt_tokens = sum(c.prompt_tokens for c in done)
+        record.generation_tokens = sum(len(c.token_ids) for c in done)
+        if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
+            self.close_connection = True
+            self._event(api.error_body(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout)), gone)
             self._event(api.DONE, gone)
-            if not gone.is_set() and self.chunked:
-                try:
-                    self.wfile.write(b"0\r\n\r\n")
-                except OSError:
-                    gone.set()
-            if gone.is_set():
-                self.close_connection = True
-                record.status = CLIENT_CLOSED
-            return
+        else:
+            for payload in events.last(done):
+                self._event(payload, gone)
+        if not gone.is_set() and self.chunked:
+            try:
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                gone.set()
+        if gone.is_set():
+            self.close_connection = True
+            record.status = CLIENT_CLOSED
 
     def _event(self, payload, gone: threading.Event) -> None:
         if gone.is_set():

@@ -75,44 +75,24 @@ class World:
         dist.all_reduce(t, group=self.tp_group)
         return t
 
-    # -- the request channel: rank 0 broadcasts a 7-int64 header, then the prompt's ids ----------
-    # header: op, prompt length, max_tokens, the sampling settings (3 ints, sampling.py), and whether
-    # rank 0 will say after every token if the sequence stops (stop strings, a client gone).
-    def send_request(self, op: int, prompt, max_tokens: int, with_prompt: bool, sampling: list[int] = (0, 0, -1),
-                     stops: bool = False) -> None:
+    # -- the step channel: before every forward pass rank 0 broadcasts one int64 header -------
+    # Its length is fixed when the engine starts (runner.py sizes it for the longest step), so every
+    # rank receives it with one collective and no length exchange; runner.py says what it holds.
+    def send_step(self, header: list[int], length: int) -> None:
         if self.size == 1:
             return
         import torch.distributed as dist
 
-        dev = self._device()
-        header = [op, len(prompt), max_tokens, *sampling, int(stops)]
-        dist.broadcast(torch.tensor(header, dtype=torch.long, device=dev), 0)
-        if with_prompt:
-            dist.broadcast(torch.tensor(list(prompt), dtype=torch.long, device=dev), 0)
+        t = torch.zeros(length, dtype=torch.long)
+        t[: len(header)] = torch.tensor(header, dtype=torch.long)
+        dist.broadcast(t.to(self._device()), 0)
 
-    def recv_request(self, has_prompt) -> tuple[int, list[int], int, list[int], bool]:
+    def recv_step(self, length: int) -> list[int]:
         import torch.distributed as dist
 
-        dev = self._device()
-        header = torch.empty(7, dtype=torch.long, device=dev)
-        dist.broadcast(header, 0)
-        op, n, max_tokens, *sampling, stops = header.tolist()
-        prompt: list[int] = []
-        if has_prompt(op):
-            ids = torch.empty(n, dtype=torch.long, device=dev)
-            dist.broadcast(ids, 0)
-            prompt = ids.tolist()
-        return op, prompt, max_tokens, sampling, bool(stops)
-
-    def share_flag(self, flag: bool) -> bool:
-        """Rank 0's ``flag`` on every rank (whether to stop the sequence now)."""
-        if self.size == 1:
-            return flag
-        import torch.distributed as dist
-
-        t = torch.tensor([int(flag)], dtype=torch.long, device=self._device())
+        t = torch.empty(length, dtype=torch.long, device=self._device())
         dist.broadcast(t, 0)
-        return bool(t.item())
+        return t.tolist()
 
     # -- pipeline hand-offs and the last stage's logits ----------------------------------------
     def recv_hidden(self, shape, dtype, device) -> torch.Tensor:
@@ -127,8 +107,19 @@ class World:
 
         dist.send(out.contiguous(), dst=self.rank + self.tp)
 
-    def broadcast_logits(self, logits: torch.Tensor) -> None:
-        if self.size > 1:
-            import torch.distributed as dist
+    @property
+    def logits_rank(self) -> int:
+        """The rank that sends the logits to rank 0: the last stage's first rank."""
+        return (self.pp - 1) * self.tp
 
-            dist.broadcast(logits, src=(self.pp - 1) * self.tp)
+    def send_logits(self, logits: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.send(logits.contiguous(), dst=0)
+
+    def recv_logits(self, shape, device) -> torch.Tensor:
+        import torch.distributed as dist
+
+        logits = torch.empty(*shape, dtype=torch.float32, device=device)
+        dist.recv(logits, src=self.logits_rank)
+        return logits

@@ -130,23 +130,48 @@ class Attention(nn.Module):
         self.o = Linear(self.heads * s.head_dim, s.hidden_size, quant, dtype)
         self.all_reduce = _identity
 
-    def forward(self, x, cos, sin, cache_k, cache_v, start: int) -> torch.Tensor:
-        T = x.shape[0]
+    def forward(self, x, cos, sin, cache_k, cache_v, batch: Batch) -> torch.Tensor:
+        B, T = batch.size, batch.tokens  # x: (B*T, hidden), the batch's rows one after the other
         q, k, v = self.qkv(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
         )
-        q = rope.apply(q.view(T, self.heads, self.head_dim), cos, sin)  # (T, heads, head_dim)
-        k = rope.apply(k.view(T, self.kv_heads, self.head_dim), cos, sin)  # (T, kv_heads, head_dim)
-        cache_k[start : start + T] = k
-        cache_v[start : start + T] = v.view(T, self.kv_heads, self.head_dim)
-        keys = cache_k[: start + T].repeat_interleave(self.heads // self.kv_heads, dim=1)
-        values = cache_v[: start + T].repeat_interleave(self.heads // self.kv_heads, dim=1)
-        # Query i (absolute position start+i) sees keys 0..start+i.
-        mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
-        )
-        return self.all_reduce(self.o(out.transpose(0, 1).reshape(T, self.heads * self.head_dim)))
+        q = rope.apply(q.view(B, T, self.heads, self.head_dim), cos, sin)  # (B, T, heads, head_dim)
+        k = rope.apply(k.view(B, T, self.kv_heads, self.head_dim), cos, sin)  # (B, T, kv_heads, head_dim)
+        v = v.view(B, T, self.kv_heads, self.head_dim)
+        # Each row writes its new keys and values at its own positions of its own cache slot.
+        if batch.groups is not None:  # CPU, one new token per row: padded keys, one call per padded length
+            cache_k[batch.slot_index, batch.positions] = k  # (B, 1) slots x (B, 1) positions: one write
+            cache_v[batch.slot_index, batch.positions] = v
+            out = torch.empty(B, self.heads, T, self.head_dim, dtype=q.dtype, device=x.device)
+            for rows, slots, length in batch.groups:
+                out[rows] = F.scaled_dot_product_attention(
+                    q[rows].transpose(1, 2), cache_k[slots, :length].transpose(1, 2),
+                    cache_v[slots, :length].transpose(1, 2), attn_mask=batch.mask[rows, :, :, :length],
+                    enable_gqa=True)  # (G, heads, 1, head_dim)
+        elif batch.rows is not None:  # CPU, a prompt (or a verification) of one sequence: its own keys
+            outs = []
+            for b, (slot, start) in enumerate(batch.rows):
+                end = start + T
+                cache_k[slot, start:end] = k[b]
+                cache_v[slot, start:end] = v[b]
+                # Query i (absolute position start + i) sees keys 0..start + i; built here, not held
+                # across layers, so the activation peak of a long prompt stays what it was.
+                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+                outs.append(F.scaled_dot_product_attention(
+                    q[b].transpose(0, 1), cache_k[slot, :end].transpose(0, 1), cache_v[slot, :end].transpose(0, 1),
+                    attn_mask=mask, enable_gqa=True))  # (heads, T, head_dim)
+            out = (outs[0] if B == 1 else torch.stack(outs)).view(B, self.heads, T, self.head_dim)
+        else:
+            cache_k[batch.slot_index, batch.positions] = k
+            cache_v[batch.slot_index, batch.positions] = v
+            keys = cache_k[batch.slots, : batch.length]  # (B, L, kv_heads, head_dim), L = the longest row's end
+            values = cache_v[batch.slots, : batch.length]
+            # Query i of row b (absolute position start_b + i) sees keys 0..start_b + i of its own slot;
+            # the keys past a shorter row's end are masked (exactly zero weight).
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask,
+                enable_gqa=True)  # (B, heads, T, head_dim)
+        return self.all_reduce(self.o(out.transpose(1, 2).reshape(B * T, self.heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -170,8 +195,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.mlp = MLP(s, quant, dtype)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, start: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, start)
+    def forward(self, x, cos, sin, cache_k, cache_v, batch: Batch) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, batch)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -199,33 +224,101 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return next(iter(self.buffers())).device
 
-    def new_cache(self, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def new_cache(self, max_len: int, num_seqs: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer of this stage, keys and values of ``num_seqs`` slots of ``max_len`` positions:
+        (num_seqs, max_len, kv_heads, head_dim) each. A sequence owns one slot while it runs."""
         s = self.shape
         kv = s.num_kv_heads // s.tp_size
         return [
             (
-                torch.zeros(max_len, kv, s.head_dim, dtype=self.dtype, device=self.device),
-                torch.zeros(max_len, kv, s.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(num_seqs, max_len, kv, s.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(num_seqs, max_len, kv, s.head_dim, dtype=self.dtype, device=self.device),
             )
             for _ in s.layer_range
         ]
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start: int, cache, all_positions: bool = False) -> torch.Tensor:
-        """Token ids (first stage) or hidden states (later stages) in; hidden states or, on the
-        last stage, the logits of the final position out (of every position with
-        ``all_positions``, which speculative decoding's verification step needs)."""
-        if self.shape.first_stage:
-            x = F.embedding(x, self.embed.weight)
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
-        cos, sin = rope.cos_sin(positions, self.shape.rope, self.shape.head_dim, self.dtype)
+    def forward(self, x: torch.Tensor, start, cache, all_positions: bool = False, slots=None) -> torch.Tensor:
+        """One forward pass over a batch of sequences, each with the same number of new tokens.
+
+        ``x``: token ids (first stage) or hidden states (later stages), either of one sequence,
+        (T,) / (T, hidden), or of a batch, (B, T) / (B*T, hidden). ``start``: where the new tokens
+        begin in each sequence (an int, or one int per row). ``slots``: each row's KV cache slot
+        (default 0..B-1). Out: hidden states (B*T, hidden) on a stage before the last; on the last,
+        the logits of each row's final position, (B, vocab) or (vocab,) for one sequence, or of
+        every position with ``all_positions`` (speculative verification), (B, T, vocab) or (T, vocab).
+        """
+        s = self.shape
+        one = isinstance(start, int)
+        starts = [start] if one else list(start)
+        B = len(starts)
+        if s.first_stage:
+            ids = x.view(B, -1)  # (B, T)
+            T = ids.shape[1]
+            x = F.embedding(ids.reshape(-1), self.embed.weight)  # (B*T, hidden)
+        else:
+            T = x.numel() // (B * s.hidden_size)
+            x = x.view(B * T, s.hidden_size)
+        slot_len = cache[0][0].shape[1] if cache else 0  # positions per cache slot
+        batch = Batch(starts, T, list(range(B)) if slots is None else list(slots), x.device, slot_len)
+        cos, sin = rope.cos_sin(batch.positions, s.rope, s.head_dim, self.dtype)  # (B, T, head_dim)
         for block, (ck, cv) in zip(self.layers.values(), cache):
-            x = block(x, cos, sin, ck, cv, start)
-        if not self.shape.last_stage:
+            x = block(x, cos, sin, ck, cv, batch)
+        if not s.last_stage:
             return x
         if all_positions:
-            return F.linear(self.norm(x), self.lm_head.weight).float()
-        return F.linear(self.norm(x[-1:]), self.lm_head.weight)[0].float()
+            logits = F.linear(self.norm(x), self.lm_head.weight).float().view(B, T, -1)
+        else:
+            last = x.view(B, T, -1)[:, -1]  # (B, hidden)
+            logits = F.linear(self.norm(last), self.lm_head.weight).float()  # (B, vocab)
+        return logits[0] if one else logits
+
+
+PAD = 64  # CPU attention: keys padded to a multiple of this, whatever else is in the batch
+
+
+class Batch:
+    """Where a forward pass's rows are: positions, cache slots, and how attention reads them.
+
+    Built once per forward pass and shared by every layer. On a GPU the rows attend in one call,
+    over keys padded to the longest row and masked; slots that are one contiguous run are taken as
+    a slice, a view of the cache (no copy). On CPU each row attends over exactly its own keys, one
+    call per row: padding changes how the CPU kernels split their sums, so a padded row's output
+    would differ in the last bits from the same sequence alone, and a batch must not change any
+    request's tokens (the matrix products are batch-invariant in bfloat16, see engine.py)."""
+
+    def __init__(self, starts: list[int], T: int, slots: list[int], device, slot_len: int = 0):
+        self.size, self.tokens = len(starts), T
+        if len(starts) == 1:
+            self.positions = torch.arange(starts[0], starts[0] + T, device=device)[None]  # (1, T)
+        else:
+            self.positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
+        self.rows = self.groups = self.mask = None
+        if torch.device(device).type == "cpu":
+            self.rows = list(zip(slots, starts))
+            if T == 1:
+                # A decoding row's keys are padded to a length that depends on that row alone (its end
+                # rounded up to PAD, at most the slot), and the rows of one padded length attend in one call: the CPU
+                # kernel's sums then run the same whatever else is in the batch.
+                padded = [min(-(-(s + 1) // PAD) * PAD, slot_len) for s in starts]
+                keys = torch.arange(max(padded), device=device)
+                self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, 1, L)
+                groups: dict[int, list[int]] = {}
+                for b, length in enumerate(padded):
+                    groups.setdefault(length, []).append(b)
+                self.slot_index = torch.tensor(slots, device=device)[:, None]  # (B, 1)
+                self.groups = [(torch.tensor(rows, device=device),
+                                torch.tensor([slots[b] for b in rows], device=device), length)
+                               for length, rows in groups.items()]
+            return
+        self.length = max(starts) + T  # keys the longest row sees
+        first = slots[0]
+        contiguous = slots == list(range(first, first + len(slots)))
+        self.slots = slice(first, first + len(slots)) if contiguous else torch.tensor(slots, device=device)
+        self.slot_index = (torch.arange(first, first + len(slots), device=device) if contiguous
+                           else self.slots)[:, None]  # (B, 1), broadcast against positions
+        keys = torch.arange(self.length, device=device)
+        self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, T, L)
 
 
 def build_meta_model(s: ModelShape, quant: QuantMethod, dtype: torch.dtype) -> Llama:

@@ -238,26 +238,22 @@ class Fp8BlockCheckpoint(QuantMethod):
             self.process(metas, hf_names, f"layers.0.{name}", torch.bfloat16)
 
     def split_rows(self, part, rank, size, name):
-        self.check_part(part, name)
-        w, s = part["weight"], part["weight_scale_inv"]
-        n = w.shape[0] // size
-        if w.shape[0] % size or n % self.block[0]:
-            raise QuantizationError(QuantizationError.BLOCK_SPLIT_OUT.format(
-                tensor=f"{name}.weight {list(w.shape)}", tp=size, size=n,
-                block=self.block[0]))
-        b = n // self.block[0]
-        return {"weight": w[rank * n : (rank + 1) * n], "weight_scale_inv": s[rank * b : (rank + 1) * b]}
+        return self._split(part, rank, size, name, 0, QuantizationError.BLOCK_SPLIT_OUT)
 
     def split_cols(self, part, rank, size, name):
+        return self._split(part, rank, size, name, 1, QuantizationError.BLOCK_SPLIT_IN)
+
+    def _split(self, part, rank, size, name, dim: int, refusal: str):
+        """Rank ``rank``'s 1/size of the weight and of its block scales along ``dim`` (0: output rows,
+        1: input columns); a shard boundary inside a block is refused with the sizes."""
         self.check_part(part, name)
         w, s = part["weight"], part["weight_scale_inv"]
-        n = w.shape[1] // size
-        if w.shape[1] % size or n % self.block[1]:
-            raise QuantizationError(QuantizationError.BLOCK_SPLIT_IN.format(
-                tensor=f"{name}.weight {list(w.shape)}", tp=size, size=n,
-                block=self.block[1]))
-        b = n // self.block[1]
-        return {"weight": w[:, rank * n : (rank + 1) * n], "weight_scale_inv": s[:, rank * b : (rank + 1) * b]}
+        n = w.shape[dim] // size
+        if w.shape[dim] % size or n % self.block[dim]:
+            raise QuantizationError(refusal.format(tensor=f"{name}.weight {list(w.shape)}", tp=size, size=n,
+                                                   block=self.block[dim]))
+        b = n // self.block[dim]
+        return {"weight": w.narrow(dim, rank * n, n), "weight_scale_inv": s.narrow(dim, rank * b, b)}
 
     def process(self, parts, names, fused, dtype):
         for part, name in zip(parts, names):

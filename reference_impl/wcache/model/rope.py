@@ -50,13 +50,13 @@ def inv_freq(rope: Rope, head_dim: int, device=None) -> torch.Tensor:
 
 
 def cos_sin(positions: torch.Tensor, rope: Rope, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions.float()[:, None] * inv_freq(rope, head_dim, positions.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
+    freqs = positions.float()[..., None] * inv_freq(rope, head_dim, positions.device)  # (..., T, head_dim / 2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., T, head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, heads, head_dim); cos, sin: (T, head_dim) in x's dtype; the "rotate half" convention.
+    # x: (..., T, heads, head_dim); cos, sin: (..., T, head_dim) in x's dtype; the "rotate half" convention.
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos[..., None, :] + rotated * sin[..., None, :]

@@ -5,11 +5,20 @@ Decoding never hides a token: bytes that are not valid UTF-8 show as ``\\xNN`` (
 escape sequences) show escaped too, and ids past the bytes that are not BOS or EOS (the rest of a
 Llama-sized vocabulary, which this tokenizer gives no text) show as ``<id>``. So a completion of
 random weights reads as the tokens it is.
+
+A chat template writes BOS and EOS as text (``{{ bos_token }}``); ``encode_with_special_tokens``
+reads those strings back as their ids, as a Hugging Face tokenizer does with its special tokens.
 """
+
+import re
 
 BOS_ID = 256
 EOS_ID = 257
 MIN_VOCAB_SIZE = 258
+# The text of BOS and EOS in a rendered chat prompt (make-checkpoint writes them to
+# tokenizer_config.json; a checkpoint's own bos_token / eos_token replace them).
+BOS_TEXT = "<s>"
+EOS_TEXT = "</s>"
 
 
 def encode(text: str, add_bos: bool = True) -> list[int]:
@@ -29,3 +38,15 @@ def decode(ids: list[int]) -> str:
         if i is not None and i not in (BOS_ID, EOS_ID):
             out.append(f"<{i}>")
     return "".join(out)
+
+
+def encode_with_special_tokens(text: str, special: dict[str, int]) -> list[int]:
+    """``text`` as bytes, except that each string of ``special`` (e.g. ``{"<s>": BOS_ID}``) is its one
+    id; no BOS is added (a chat template writes its own). Longer strings win where two overlap."""
+    names = sorted((s for s in special if s), key=len, reverse=True)
+    if not names:
+        return encode(text, add_bos=False)
+    ids: list[int] = []
+    for i, part in enumerate(re.split("(" + "|".join(map(re.escape, names)) + ")", text)):
+        ids += [special[part]] if i % 2 else encode(part, add_bos=False)
+    return ids

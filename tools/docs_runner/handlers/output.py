@@ -29,7 +29,8 @@ def _prefix(error_levels: bool) -> str:
 
 def expected_line_regex(line: str, error_levels: bool = False) -> re.Pattern[str]:
     parts = [re.escape(p) for p in line.strip().split("...")]
-    return re.compile("^" + _prefix(error_levels) + ".*?".join(parts) + r"\s*$")
+    # An expected line is shown stripped, so an indented output line (a bench's sub-line) matches too.
+    return re.compile(r"^\s*" + _prefix(error_levels) + ".*?".join(parts) + r"\s*$")
 
 
 def match_output(expected: str, sources: list[tuple[str, str]], error_levels: bool = False) -> str | None:

@@ -24,6 +24,7 @@ class LoadReport:
     nbytes: int
     external_bytes: int = 0  # weights held by the daemon and mapped, not owned, by this engine
     fallback_reason: str | None = None
+    fallback_kind: str | None = None  # the reason's key in errors.REASONS (a metric's label: a bounded set)
     phases: dict = field(default_factory=dict)  # seconds per handoff step (cache loads only)
     transport: str | None = None  # the arena kind a cache load came through (memfd, cuda_ipc, vmm_fd)
     # copy mode: the thread that lets go of the daemon's memory once the engine has its own copy

@@ -87,7 +87,7 @@ class IpcCacheLoader(WeightLoader):
                 weights, lease, phases, release = self._until_served(cfg)
         except CacheUnusable as e:  # fallback on: say why, then read the disk
             log.warning(errors.FALLBACK.format(reason=e))
-            return self.disk.load(cfg, fallback_reason=str(e), t0=t0)
+            return self.disk.load(cfg, fallback_reason=str(e), t0=t0, fallback_kind=e.kind)
         mode = self.loader_config.mode
         n = len(weights.tensors)
         log.info(errors.MAPPED.format(count=n, mode=mode))

@@ -1,0 +1,154 @@
+"""The chat template: where it comes from, and how it turns messages into a prompt.
+
+Where, in vLLM's order: ``--chat-template`` (a file, or the template text itself when no such file
+exists and the value holds ``{``, ``}`` or a newline, as vLLM decides), else the checkpoint's own:
+``chat_template.jinja``, else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list
+of named templates of which ``default`` is taken), the files and precedence transformers uses.
+Without any, chat requests get the 400 that names ``--chat-template``.
+
+How, as transformers renders it (``apply_chat_template``): jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, its ``tojson``
+filter, the globals ``raise_exception`` and ``strftime_now``, and the variables ``messages``,
+``add_generation_prompt``, ``bos_token`` and ``eos_token``. A template is untrusted code (it comes
+with a downloaded checkpoint): the sandbox keeps it from reaching Python's internals. The template
+is compiled at start, so a broken one stops ``wcache serve`` before its weights load.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from wcache.errors import CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_SYNTAX, CHAT_TEMPLATE_CONFIG, UserError
+from wcache.model import tokenizer
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+JINJA_CHARS = "{}\n"  # vLLM: a --chat-template value with one of these is the template, not a path
+
+
+class ChatTemplateError(UserError):
+    pass
+
+
+class RenderError(Exception):
+    """The template refused the messages (its ``raise_exception``) or broke while rendering."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # where it came from, for the start-up log line
+    text: str
+    bos_token: str = tokenizer.BOS_TEXT
+    eos_token: str = tokenizer.EOS_TEXT
+
+    def __post_init__(self):
+        object.__setattr__(self, "_compiled", _compile(self.text, self.source))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        try:
+            return self._compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except jinja2.TemplateError as e:  # raise_exception, an undefined call, a sandbox refusal
+            raise RenderError(str(e) or type(e).__name__) from None
+        except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
+            raise RenderError(f"{type(e).__name__}: {e}") from None
+
+    def encode(self, rendered: str) -> list[int]:
+        """The rendered prompt's token ids: the BOS and EOS strings it holds become their ids."""
+        return tokenizer.encode_with_special_tokens(
+            rendered, {self.bos_token: tokenizer.BOS_ID, self.eos_token: tokenizer.EOS_ID})
+
+
+def _raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' own: jinja's tojson escapes HTML characters, which a prompt must not see
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def _compile(text: str, source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(CHAT_TEMPLATE_SYNTAX.format(source=source, line=e.lineno, error=e.message)) from None
+
+
+def from_flag(value: str) -> tuple[str, str]:
+    """(source, text) of a ``--chat-template`` value: a file's contents, else the value itself if it
+    looks like a template (escapes such as ``\\n`` decoded, as vLLM does), else the file error."""
+    try:
+        return value, Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        if any(c in value for c in JINJA_CHARS):
+            return "--chat-template (inline)", codecs.decode(value, "unicode_escape")
+        raise ChatTemplateError(CHAT_TEMPLATE_FILE.format(value=value, reason=e)) from None
+
+
+def _special(config: dict, name: str, default: str) -> str:
+    v = config.get(name)
+    if isinstance(v, dict):  # an AddedToken, as transformers saves one: {"content": "<s>", ...}
+        v = v.get("content")
+    return v if isinstance(v, str) and v else default
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / TOKENIZER_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ChatTemplateError(CHAT_TEMPLATE_CONFIG.format(path=path, why=f"not readable JSON: {e}")) from None
+    if not isinstance(config, dict):
+        raise ChatTemplateError(CHAT_TEMPLATE_CONFIG.format(path=path, why="not a JSON object"))
+    return config
+
+
+def _from_config(config: dict, path: Path) -> str | None:
+    t = config.get("chat_template")
+    if t is None or isinstance(t, str):
+        return t
+    if isinstance(t, list):  # transformers' list of named templates: the default one
+        for entry in t:
+            if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
+                return entry["template"]
+        return None
+    raise ChatTemplateError(CHAT_TEMPLATE_CONFIG.format(path=path, why="chat_template is neither text nor a list "
+                                                                        "of named templates"))
+
+
+def load(model_dir: str, flag: str | None = None) -> ChatTemplate | None:
+    """The template chat requests are rendered with, or None when there is none."""
+    d = Path(model_dir)
+    config = _read_config(d)
+    specials = dict(bos_token=_special(config, "bos_token", tokenizer.BOS_TEXT),
+                    eos_token=_special(config, "eos_token", tokenizer.EOS_TEXT))
+    if flag is not None:
+        source, text = from_flag(flag)
+        return ChatTemplate(source, text, **specials)
+    jinja = d / TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return ChatTemplate(str(jinja), jinja.read_text(encoding="utf-8"), **specials)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(CHAT_TEMPLATE_FILE.format(value=jinja, reason=e)) from None
+    text = _from_config(config, d / TOKENIZER_CONFIG)
+    return None if text is None else ChatTemplate(str(d / TOKENIZER_CONFIG), text, **specials)

@@ -1,0 +1,70 @@
+"""The completions of one request, one per prompt, submitted to the engine together.
+
+A request's list of prompts (``"prompt": ["a", "b"]``) gets one thread per prompt, each calling
+``Engine.generate``; an engine that batches runs them in one batch, one that decodes a sequence at a
+time runs them one after another. ``stream`` turns their pieces of text into one ordered series of
+events for a server-sent stream. Both stop every prompt at its next token once they are told to
+(a client that went away, a drain's deadline).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+
+def _args(req) -> tuple:
+    return req.max_tokens, req.sampling, req.stop
+
+
+def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None) -> list:
+    """Every prompt's Completion, in the prompts' order; the first failure is raised. ``on_text``
+    is told each piece of every prompt's text and returns True to stop them all."""
+    if len(prompts) == 1:  # no thread for the usual case
+        return [engine.generate(prompts[0], *_args(req), on_text=on_text)]
+    done: list = [None] * len(prompts)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text)
+        except BaseException as e:  # raised below, on the request's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"wcache-prompt-{i}", daemon=True)
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return done
+
+
+def stream(engine, prompts, req, stop: Callable[[], bool]) -> Iterator[tuple[str, int, object]]:
+    """("text", index, piece) as each piece is decoded, ("done", index, Completion) as each ends,
+    until every prompt is done; ("error", index, exception) ends the series early. ``stop()`` is
+    asked at each piece: True stops every prompt at its next token."""
+    events: queue.Queue = queue.Queue()
+    failed = threading.Event()
+
+    def run(i: int) -> None:
+        try:
+            c = engine.generate(prompts[i], *_args(req),
+                                on_text=lambda piece: events.put(("text", i, piece)) or failed.is_set() or stop())
+            events.put(("done", i, c))
+        except BaseException as e:
+            events.put(("error", i, e))
+
+    for i in range(len(prompts)):
+        threading.Thread(target=run, args=(i,), name=f"wcache-stream-{i}", daemon=True).start()
+    left = len(prompts)
+    while left:
+        kind, i, item = events.get()
+        yield kind, i, item
+        if kind == "error":
+            failed.set()  # the others stop at their next token
+            return
+        left -= kind == "done"

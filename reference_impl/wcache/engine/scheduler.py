@@ -1,0 +1,130 @@
+"""The scheduler: the waiting queue, the running batch, and which sequences each step decodes.
+
+Iteration-level scheduling, as Orca and vLLM do it: the batch is decided anew before every step.
+A request waits in a bounded FIFO queue (``--max-waiting-requests``; past it ``add`` refuses at
+once, and the HTTP layer answers 503 with ``Retry-After``). Before each step, waiting requests
+join the running batch while a KV cache slot is free (``--max-num-seqs`` slots, memory.py), each
+taking the lowest free slot; a sequence leaves when it finishes or its client goes away, and its
+slot is free for the next step. So a short request sent while long ones run starts at the next
+step instead of after them.
+
+Threads: HTTP threads ``add`` and ``cancel``; the engine loop (engine.py) alone calls
+``next_step`` and ``finish``. One condition variable guards both queues.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from wcache.engine.sampling import Sampler
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``--max-waiting-requests`` requests."""
+
+    def __init__(self, waiting: int, limit: int):
+        super().__init__(waiting, limit)
+        self.waiting, self.limit = waiting, limit
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the engine loop sees it. The loop appends tokens to ``outbox``, which the
+    request's own thread drains (Engine.generate): the loop never waits for a client."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    eos: int | None
+    out: list[int] = field(default_factory=list)
+    slot: int = -1
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: bool = False  # set by the request's thread (a stop string, a client gone)
+    arrived: float = field(default_factory=time.monotonic)
+    lens: list[int] = field(default_factory=lambda: [0, 0])  # speculative: target, draft KV positions
+    spec: list[int] = field(default_factory=lambda: [0, 0])  # speculative: draft tokens proposed, accepted
+
+    @property
+    def position(self) -> int:
+        """KV positions that hold this sequence's tokens (all but the last one sampled)."""
+        return len(self.prompt) + len(self.out) - 1
+
+
+@dataclass
+class Step:
+    joining: list[Sequence]  # admitted now: their prompts run first (prefill)
+    running: list[Sequence]  # every running sequence, the joining ones included
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_waiting: int):
+        self.max_waiting = max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free = list(range(num_slots))  # a heap: the lowest free slot first (contiguous slots are views)
+        self._cv = threading.Condition()
+        self.closed = False
+
+    # -- HTTP threads -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        with self._cv:
+            if self.closed:
+                raise RuntimeError("the engine is stopping")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(len(self.waiting), self.max_waiting)
+            self.waiting.append(seq)
+            self._cv.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The request needs no more tokens: it leaves before the next step."""
+        seq.cancelled = True
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the engine loop ------------------------------------------------------------------------
+    def next_step(self, timeout: float) -> Step | None:
+        """The next step's batch, once there is work (or an empty Step after ``timeout`` idle);
+        None once closed. Cancelled waiting requests are dropped here, never run."""
+        with self._cv:
+            deadline = time.monotonic() + timeout
+            while not self.closed and not self.running and not self.waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Step([], [])
+                self._cv.wait(left)
+            if self.closed:
+                return None
+            joining = []
+            while self.waiting and self._free:
+                seq = self.waiting.popleft()
+                if seq.cancelled:  # its thread no longer reads the outbox
+                    continue
+                seq.slot = heapq.heappop(self._free)
+                joining.append(seq)
+                self.running.append(seq)
+            return Step(joining, list(self.running))
+
+    def finish(self, seq: Sequence) -> None:
+        with self._cv:
+            if seq in self.running:  # not when close() took it
+                self.running.remove(seq)
+                heapq.heappush(self._free, seq.slot)
+
+    def close(self) -> list[Sequence]:
+        """Stop scheduling; every sequence still waiting or running, for the loop to end."""
+        with self._cv:
+            self.closed = True
+            left = list(self.waiting) + self.running
+            self.waiting.clear()
+            self.running = []
+            self._cv.notify_all()
+            return left

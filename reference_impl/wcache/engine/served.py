@@ -1,0 +1,48 @@
+"""What the HTTP API serves, settled before the weights load: the names clients may ask for
+(``--served-model-name``, vLLM's flag: the first is the name in every answer, any is accepted in
+``model``; default the model directory as given), the chat template (chat_template.py) and the API
+keys (auth.py). A bad template or key flag stops ``wcache serve`` here, before minutes of loading.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from wcache.engine import auth, chat_template
+from wcache.engine.auth import ApiKeys
+from wcache.engine.chat_template import ChatTemplate
+from wcache.errors import SERVED_NAME_EMPTY, UserError
+
+log = logging.getLogger("wcache.server")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    names: tuple[str, ...]
+    root: str  # the model directory, as given: each model card's root
+    chat_template: ChatTemplate | None = None
+    api_keys: ApiKeys = field(default_factory=ApiKeys, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @classmethod
+    def of(cls, model) -> ServedModel:
+        """``model`` as it is, or a model directory served under its own name with no template or key."""
+        return model if isinstance(model, ServedModel) else cls((str(model),), str(model))
+
+    @classmethod
+    def from_args(cls, args) -> ServedModel:
+        """From ``wcache serve``'s flags; logs what it found (never a key)."""
+        names = tuple(getattr(args, "served_model_name", None) or (args.model,))
+        if any(not n for n in names):
+            raise UserError(SERVED_NAME_EMPTY)
+        template = chat_template.load(args.model, getattr(args, "chat_template", None))
+        keys = auth.from_flag_or_env(getattr(args, "api_key", None))
+        log.info("Chat template: %s", f"from {template.source}" if template else
+                 "none (POST /v1/chat/completions answers 400; give one with --chat-template)")
+        if keys:
+            log.info("API key required on /v1/* (%s)", "--api-key" if getattr(args, "api_key", None) else auth.ENV)
+        return cls(names, args.model, template, keys)

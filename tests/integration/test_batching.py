@@ -1,0 +1,205 @@
+"""Continuous batching (engine/scheduler.py, engine/engine.py): requests share decode steps, and no
+request's tokens, timing or buffers depend on who else is in the batch.
+
+The engine tests run a real engine in this process (tiny checkpoint, bfloat16 on CPU: the
+presets' dtype); the HTTP tests run `wcache serve` and real clients over loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import STREAM_BUFFER_TOKENS, Engine
+from wcache.engine.runner import EngineOptions
+from wcache.engine.sampling import SamplingParams
+from wcache.errors import QUEUE_FULL, STREAM_OVERFLOW
+from wcache.model import tokenizer
+
+NO_TUNE = ("--no-enable-autotune",)
+
+
+@pytest.fixture(scope="module")
+def tiny16(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("batching") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny16):
+    cfg = EngineConfig.build(str(tiny16), "auto", None, "cpu")
+    eng = Engine.start(cfg, EngineOptions("safetensors", enable_autotune=False, max_num_seqs=16))
+    yield eng
+    eng.close()
+
+
+def together(fn, n: int) -> list:
+    """fn(i) for i in 0..n-1 on n threads released at once; their results in order."""
+    out, gate = [None] * n, threading.Barrier(n)
+
+    def run(i):
+        gate.wait()
+        out[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+REQUESTS = [  # (prompt, max_tokens, sampling, stop): greedy and seeded, different lengths and stops
+    (f"Request {i} of the batch", 20 + 7 * i,
+     SamplingParams() if i % 2 else SamplingParams(0.8 + 0.05 * i, 0.9, 1000 + i),
+     ("e",) if i % 3 == 0 else ())
+    for i in range(12)
+]
+
+
+def test_a_batch_gives_every_request_the_tokens_it_gets_alone(engine):
+    alone = [engine.generate(p, n, s, stop) for p, n, s, stop in REQUESTS]
+    before = (engine.stats.steps, engine.stats.tokens)
+    batched = together(lambda i: engine.generate(*REQUESTS[i]), len(REQUESTS))
+    steps, tokens = engine.stats.steps - before[0], engine.stats.tokens - before[1]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in batched] == [
+        (c.text, c.finish_reason, c.stop_reason) for c in alone]
+    assert any(c.stop_reason == "e" for c in alone)  # a stop string ended some of them
+    assert sum(not s.greedy for _, _, s, _ in REQUESTS) == 6  # seeded sampling is in the batch
+    # Alone a step gives a request at most two tokens (its prompt's pass and a decode pass); here
+    # steps gave many more: the sequences were decoded together.
+    assert tokens > 4 * steps, (tokens, steps)
+
+
+def test_prompt_token_ids_are_used_as_they_are(engine):
+    ids = tokenizer.encode("Token ids")
+    assert engine.generate(ids, 12).token_ids == engine.generate("Token ids", 12).token_ids
+
+
+def test_a_request_that_stops_reading_leaves_the_batch_within_a_step(engine):
+    """on_text returning True (a client gone) cancels the sequence before the next step: the
+    engine decodes it no further than the step under way when it was told."""
+    told = []
+
+    def gone(piece):
+        told.append(engine.stats.tokens)  # tokens the engine had decoded when the client went away
+        return True
+
+    c = engine.generate("Cancel me soon", 400, on_text=gone)
+    deadline = time.monotonic() + 10
+    while engine.num_requests_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_requests_running() == 0 and engine.num_requests_waiting() == 0
+    assert len(told) == 1 and len(c.token_ids) < 10
+    # The step under way may still give it a token (two when it is its prompt's step); none after.
+    assert engine.stats.tokens - told[0] <= 2
+
+
+def test_a_slow_reader_is_ended_at_its_buffer_limit_and_the_others_keep_pace(engine, caplog):
+    """One request's thread blocks (a client that never reads: its socket write waits) beside fast
+    ones. The fast ones finish at the batch's pace while it is blocked; the slow one is ended once
+    STREAM_BUFFER_TOKENS tokens wait for it, and its slot is free again."""
+    blocked, release = threading.Event(), threading.Event()
+
+    def slow_text(piece):
+        blocked.set()
+        release.wait(120)  # a write to a client that does not read
+        return False
+
+    slow_result = {}
+    slow = threading.Thread(target=lambda: slow_result.update(
+        c=engine.generate("A slow reader", 450, on_text=slow_text)))
+    with caplog.at_level(logging.WARNING, logger="wcache.engine"):
+        slow.start()
+        assert blocked.wait(30)
+        t0 = time.monotonic()
+        fast = together(lambda i: engine.generate(f"Fast reader {i}", 300, on_text=lambda piece: False), 4)
+        fast_s = time.monotonic() - t0
+        assert not release.is_set() and slow.is_alive()  # all of them finished while the slow one was stuck
+        deadline = time.monotonic() + 60
+        while engine.num_requests_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_requests_running() == 0  # the slow one was ended: its slot is free
+        release.set()
+        slow.join(60)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 300 for c in fast), fast_s
+    c = slow_result["c"]
+    # It had taken the few tokens of its first piece before it blocked; then the buffer filled.
+    assert c.finish_reason == "abort" and STREAM_BUFFER_TOKENS < len(c.token_ids) <= STREAM_BUFFER_TOKENS + 4
+    assert STREAM_OVERFLOW.format(limit=STREAM_BUFFER_TOKENS) in caplog.text
+
+
+# -- over HTTP -------------------------------------------------------------------------------------
+def post(port: int, body: dict, timeout: float = 120.0):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def stream_times(port: int, prompt: str, max_tokens: int) -> tuple[float, float, float]:
+    """(sent, first text event, last event) in time.monotonic() for one streamed completion."""
+    sent = time.monotonic()
+    first = None
+    with post(port, {"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+        for line in r:
+            if line.startswith(b"data: {") and first is None and json.loads(line[6:])["choices"][0]["text"]:
+                first = time.monotonic()
+    return sent, first or time.monotonic(), time.monotonic()
+
+
+def test_a_short_request_starts_at_the_next_step_while_long_ones_run(procs, tiny16):
+    """The issue's case: a 4-token request sent while 20 long requests run. It joins the batch at
+    the next step: its time to first token is a few steps, and it ends long before any long one."""
+    engine = procs.serve(tiny16, *NO_TUNE)
+    longs = []
+    threads = [threading.Thread(target=lambda: longs.append(stream_times(engine.port, "A long one", 480)))
+               for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # they are all decoding now
+    sent, first, end = stream_times(engine.port, "Short", 4)
+    for t in threads:
+        t.join(300)
+    assert len(longs) == 20
+    first_long_end = min(e for _, _, e in longs)
+    assert end < first_long_end, (end - sent, first_long_end - sent)
+    long_s = min(e - s for s, _, e in longs)
+    ttft = first - sent
+    print(f"short request: time to first token {ttft:.3f} s, done in {end - sent:.3f} s; "
+          f"the fastest long one took {long_s:.1f} s")
+    assert ttft < long_s / 20
+
+
+def test_a_full_waiting_queue_is_a_503_with_retry_after(procs, tiny16):
+    """One slot, one waiting place: a third request at once is refused at once, OpenAI-shaped,
+    with Retry-After; the others are served."""
+    engine = procs.serve(tiny16, *NO_TUNE, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    results = [None, None]
+
+    def run(i):
+        with post(engine.port, {"prompt": f"Queued {i}", "max_tokens": 480}) as r:
+            results[i] = json.load(r)
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    time.sleep(0.15)
+    second = threading.Thread(target=run, args=(1,))
+    second.start()
+    time.sleep(0.15)  # one runs (480 tokens take over a second), one waits
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post(engine.port, {"prompt": "One too many", "max_tokens": 4})
+    e = refused.value
+    assert e.code == 503 and e.headers["Retry-After"] == "1"
+    body = json.loads(e.read())
+    assert body == {"error": {"message": QUEUE_FULL.format(waiting=1, max=1), "type": "ServiceUnavailableError",
+                              "param": None, "code": 503}}
+    first.join(120)
+    second.join(120)
+    assert [r["choices"][0]["finish_reason"] in ("length", "stop") for r in results] == [True, True]
