@@ -51,14 +51,18 @@ def respawn_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/")
 
 
 def respawn_memory(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
-    """The resident memory of the idle spare, beside the serving worker's and the supervisor's."""
-    rows = ["| Record | Device | Model | Spare worker (idle) | Serving worker | Supervisor |",
-            "| --- | --- | --- | ---: | ---: | ---: |"]
+    """The resident memory of the idle spare and its device reserve (what the serving worker's memory
+    plan leaves it), beside the serving worker's and the supervisor's resident memory."""
+    rows = ["| Record | Device | Model | Spare worker (idle) | Spare reserve (device) | Serving worker | Supervisor |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for path, d in respawn_records(bench_dir):
         mem = d["respawn"]["memory"]
+        # Records before the hot spare (issue 34 step 4) have no reserve: their spare was cold.
+        reserve = mem.get("spare_reserve_bytes")
+        reserve = "cold spare" if reserve is None else fmt_bytes(reserve)
         rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {_device(d)} | `{model_label(path)}` "
-                    f"| {fmt_bytes(mem['spare_rss_bytes'])} | {fmt_bytes(mem['serving_rss_bytes'])} "
-                    f"| {fmt_bytes(mem['supervisor_rss_bytes'])} |")
+                    f"| {fmt_bytes(mem['spare_rss_bytes'])} | {reserve} "
+                    f"| {fmt_bytes(mem['serving_rss_bytes'])} | {fmt_bytes(mem['supervisor_rss_bytes'])} |")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD
 
 

@@ -1,5 +1,7 @@
-"""`wcache serve --respawn` on a real GPU: the spare holds no CUDA context (it is absent from the
-driver's list of compute processes, the serving worker is there), and a killed worker is replaced
+"""`wcache serve --respawn` on a real GPU: the hot spare holds its CUDA context while it waits (it is
+in the driver's list of compute processes), measures its device reserve (goal: at most 1 GiB, its
+context and warm-up workspace; the weights are the daemon's), which the serving worker's memory
+plan counts, and a killed worker is replaced
 from the daemon's vmm_fd or cuda_ipc weights with no refused connection, no failed request and
 answers resuming; the supervisor holds no context.
 
@@ -32,7 +34,9 @@ def compute_pids() -> set[int]:
 
 
 @pytest.mark.parametrize("transport", ["vmm_fd", "cuda_ipc"])
-def test_the_spare_holds_no_cuda_context_and_takes_over_on_the_gpu(tmp_path, wcache_env, transport):
+def test_the_hot_spare_holds_its_context_and_reserve_and_takes_over_on_the_gpu(tmp_path, wcache_env, transport):
+    import json
+
     if transport == "vmm_fd":
         from wcache.wire.transports import cuda_vmm
 
@@ -44,19 +48,21 @@ def test_the_spare_holds_no_cuda_context_and_takes_over_on_the_gpu(tmp_path, wca
         procs.preload(model, "--weight-cache-transport", transport)
         p = procs.serve(model, "--respawn", "--load-format", "ipc_cache", "--model-loader-extra-config",
                         f'{{"fallback": false, "transport": "{transport}"}}')
-        p.wait_for(lambda: "Spare engine worker pid" in p.log(), 300, "a spare")
+        hot = r"Hot spare engine worker pid (\d+) ready in .*?\((\d+) bytes\) on cuda"
+        p.wait_for(lambda: re.search(hot, p.log()), 300, "a hot spare")
         serving = int(re.findall(r"Engine ready \(pid (\d+)\)", p.log())[-1])
-        spare = int(re.findall(r"Spare engine worker pid (\d+)", p.log())[-1])
+        spare, reserve = (int(x) for x in re.search(hot, p.log()).groups())
         held = compute_pids()
-        assert serving in held and spare not in held, (serving, spare, held)
+        assert serving in held and spare in held, (serving, spare, held)
         assert p.pid not in held  # the supervisor (exec'd without torch) never touches the device
-        assert "CUDA initialized: False" in p.log()
+        assert 0 < reserve <= 2**30, reserve  # the context and the warm-up, not the daemon's weights
+        plan = json.loads(re.search(r"Memory plan \(bytes\): (.*)", p.log()).group(1))
+        assert plan["spare_reserve"] > 0, plan  # the serving worker left room for its spare
 
         sample = kill_under_load(p.port, serving)
         assert sample["refused"] == 0 and sample["failed"] == [], sample  # the one in flight was handed again
         assert sample["death_to_next_200_s"] <= 1.5, sample
         p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
-        assert spare in compute_pids()  # the promoted spare made its context only now
         assert p.stop() == 0
     finally:
         procs.stop_all()

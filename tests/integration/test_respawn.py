@@ -23,6 +23,8 @@ import pytest
 from itest import child_pids, run_cli, wait_until
 from wcache.bench.respawn import failure_kind, kill_under_load, post
 from wcache.engine.respawn import BACKOFF_S, HUNG, HUNG_CAUSE, MAX_DEATHS, STABLE_S, TIMELINE
+from wcache.engine import memory
+from wcache.engine.spare import SPARE_COLD_COPY, SPARE_HOT
 from wcache.errors import MAPPED, RespawnError
 
 SPARE = "Spare engine worker pid"
@@ -287,4 +289,68 @@ def test_each_respawn_logs_its_timeline_on_the_monotonic_clock(procs, tiny_model
              t["ready_seen"]]
     assert order == sorted(order), t  # one clock for the test, the supervisor and the worker
     assert t["ready_seen"] - killed < 5.0, t
+    assert p.stop() == 0
+
+
+HOT = re.escape(SPARE_HOT.split("{pid}")[0]) + r"(\d+) ready in [\d.]+ s: weights from (.*?), .*?\((\d+) bytes\)"
+KV_ALLOCATED = re.compile(re.escape(memory.KV_ALLOCATED.split("{")[0]) + r".*? allocated \(")
+
+
+def test_a_hot_spare_waits_with_its_weights_mapped_and_warmed_up_and_no_kv_cache(procs, tiny_model):
+    """zero_copy: the spare maps the daemon's arena while the first worker maps it too (two leases
+    at once), runs its warm-up forward and allocates no KV cache; its promotion reads no weight."""
+    procs.preload(tiny_model)
+    p = procs.serve(tiny_model, "--respawn", *IPC)
+    p.wait_for(lambda: re.search(HOT, p.log()), 120, "the hot spare's line")
+    log = p.log()
+    hot = re.search(HOT, log)
+    spare, reserve = int(hot.group(1)), int(hot.group(3))
+    assert "disk" not in hot.group(2), hot.group(0)
+    assert "warm-up forward run, no KV cache" in hot.group(0)
+    assert reserve == 0  # CPU, zero_copy: no context to pay, the weights are the daemon's
+    mapped = MAPPED.format(count=27, mode="zero_copy")
+    assert log.count(mapped) == 2, log  # the serving worker's lease and the spare's, at once
+    assert len(KV_ALLOCATED.findall(log)) == 1, log  # the serving worker's only
+    assert post(p.port) == 200  # the serving worker still answers beside the spare's lease
+
+    first = ready_pids(log)[0]
+    os.kill(first, signal.SIGKILL)
+    p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
+    log = p.log()
+    assert log.count(mapped) == 2, log  # the promotion mapped nothing again
+    assert len(re.findall(r"Loaded 27 tensors", log)) == 2, log  # the first worker's load and the spare's
+    assert len(KV_ALLOCATED.findall(log)) == 2, log  # the promotion sized and allocated the KV cache
+    after = log.split(f"promoting spare pid {spare}", 1)[1]
+    assert mapped not in after and "Autotuner" not in after.split("Respawned")[0], after
+    assert post(p.port) == 200
+    assert p.stop() == 0
+
+
+def test_a_hot_spare_from_disk_reads_its_own_copy_while_it_waits(procs, tiny_model):
+    """safetensors: the spare reads the checkpoint before its promotion, once, and counts that copy
+    as its reserve (CPU: the budget is host memory); the promotion reads nothing."""
+    p = procs.serve(tiny_model, "--respawn", "--load-format", "safetensors")
+    p.wait_for(lambda: re.search(HOT, p.log()), 120, "the hot spare's line")
+    log = p.log()
+    hot = re.search(HOT, log)
+    spare = int(hot.group(1))
+    loads = re.compile(r"Loaded 27 tensors \(1\.8 MiB\) from disk")
+    assert len(loads.findall(log)) == 2, log
+    assert int(hot.group(3)) > 1_000_000, hot.group(0)  # its own copy of the 1.8 MiB of weights
+    plan = json.loads(re.search(r"Memory plan \(bytes\): (.*)", log).group(1))
+    assert plan["spare_reserve"] == int(hot.group(3)), plan  # the serving worker counts the spare's copy
+    os.kill(ready_pids(log)[0], signal.SIGKILL)
+    p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
+    assert len(loads.findall(p.log())) == 2, p.log()  # the promotion read no checkpoint
+    assert post(p.port) == 200
+    assert p.stop() == 0
+
+
+def test_a_copy_mode_spare_waits_cold_and_says_why(procs, tiny_model):
+    procs.preload(tiny_model)
+    p = procs.serve(tiny_model, "--respawn", "--load-format", "ipc_cache",
+                    "--model-loader-extra-config", '{"fallback": false, "mode": "copy"}')
+    cold = re.escape(SPARE_COLD_COPY.split("{pid}")[0]) + r"(\d+) waits cold"
+    p.wait_for(lambda: re.search(cold, p.log()), 120, "the cold spare's line")
+    assert not re.search(HOT, p.log())
     assert p.stop() == 0

@@ -3,6 +3,8 @@ and a real Engine sized by the budget."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from wcache.engine import memory
@@ -51,6 +53,20 @@ def test_plan_identity():
     assert "budget 0.5 x 100.00 MiB = 50.00 MiB = own weights 10.00 MiB + external weights 20.00 MiB" in plan.split()
     short = memory.MemoryPlan("cpu", 10 * MiB, 0.5, 4 * MiB, 0, 2 * MiB, 1000)
     assert short.kv_cache_bytes < 0 and short.kv_tokens == 0
+
+
+def test_the_spare_reserve_is_left_out_of_the_kv_cache():
+    """--respawn: the hot spare's device reserve is a term of the budget, so the serving worker and
+    its spare never over-commit the device; without a spare the split reads as before."""
+    plan = memory.MemoryPlan("cpu", capacity=100 * MiB, utilization=0.5, own_weights=10 * MiB,
+                             external_weights=20 * MiB, activation_peak=3 * MiB, kv_bytes_per_token=1000,
+                             spare_reserve=7 * MiB)
+    assert (plan.own_weights + plan.external_weights + plan.activation_peak + plan.spare_reserve
+            + plan.kv_cache_bytes == plan.budget)
+    assert plan.kv_tokens == (10 * MiB) // 1000
+    assert "activation peak 3.00 MiB + spare reserve 7.00 MiB + KV cache 10.00 MiB" in plan.split()
+    assert json.loads(plan.as_json())["spare_reserve"] == 7 * MiB
+    assert "spare reserve" not in memory.MemoryPlan("cpu", 100 * MiB, 0.5, 0, 0, 0, MiB).split()
 
 
 def test_external_weights_exceed_budget_message():

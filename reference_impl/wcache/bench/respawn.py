@@ -32,12 +32,16 @@ from wcache.bench.api import complete, free_port
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import quantization_flag, rss_bytes, terminate
 from wcache.engine.respawn import STABLE_S, TIMELINE
-from wcache.engine.spare import SPARE_READY
+from wcache.engine.spare import SPARE_COLD_COPY, SPARE_COLD_FAILED, SPARE_HOT
 from wcache.wire.sockets import short_private_dir
 
 PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding
 _READY = re.compile(r"Engine ready \(pid (\d+)\)")
-_SPARE = re.compile(re.escape(SPARE_READY.split("{pid}")[0]) + r"(\d+)")
+# A spare that waits: hot (prepared, with its reserve) or cold (it says why).
+_SPARE = re.compile("|".join(
+    re.escape(before) + r"(\d+)" + re.escape(after.split("{")[0].split(":")[0])
+    for before, after in (m.split("{pid}") for m in (SPARE_HOT, SPARE_COLD_COPY, SPARE_COLD_FAILED))))
+_RESERVE = re.compile(re.escape(SPARE_HOT.split("{pid}")[0]) + r"\d+ .*?\((\d+) bytes\)")
 _RESPAWNED = re.compile(r"Respawned: engine worker pid (\d+) ready ([\d.]+) s after worker pid (\d+) died \(([^)]*)\)")
 _TIMELINE = re.compile(re.escape(TIMELINE.split("{")[0]) + r"(\{.*\})")
 # The kill to the next 200, in phases that add up to it: each is the time between two stamps on
@@ -46,7 +50,8 @@ PHASES = {
     "death_seen": "the kill to the supervisor reaping the worker's exit",
     "promote": "the supervisor's decision to its promotion order, written to the spare's pipe",
     "order_delivery": "the order on the pipe to the spare reading it",
-    "worker_start": "the spare's start-up: context, weights mapped, memory plan, server ready",
+    "worker_start": "the promoted spare's start: a hot spare sizes and allocates its KV cache (its context, "
+                    "weights and warm-up are done while it waits), then its server is ready",
     "first_answer": "the worker ready to the first 200 of a request sent after the kill (the steady client "
                     "first gets the answer to its request in flight at the kill, handed again to this worker)",
 }
@@ -181,7 +186,7 @@ class Serving:
 
 
 def _pids(pattern: re.Pattern, text: str) -> list[int]:
-    return [int(m.group(1)) for m in pattern.finditer(text)]
+    return [int(next(g for g in m.groups() if g is not None)) for m in pattern.finditer(text)]
 
 
 def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
@@ -197,7 +202,9 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
             victim, spare = _pids(_READY, text)[-1], _pids(_SPARE, text)[-1]
             if not memory:
                 memory = {"spare_rss_bytes": rss_bytes(spare), "serving_rss_bytes": rss_bytes(victim),
-                          "supervisor_rss_bytes": rss_bytes(s.proc.pid)}
+                          "supervisor_rss_bytes": rss_bytes(s.proc.pid),
+                          # What the hot spare holds on the device, as it measured it (None: it waits cold).
+                          "spare_reserve_bytes": next((int(m.group(1)) for m in _RESERVE.finditer(text)), None)}
             if i:
                 time.sleep(STABLE_S)  # a kill sooner after the last would count as a crash loop and back off
             sample = kill_under_load(s.port, victim, log_text=s.text)
@@ -299,4 +306,7 @@ def render_table(r: dict) -> str:
         f"requests failed across the kills: {r['failed_requests']}, refused: {r['refused_connections']}",
         f"spare worker resident memory: {mem['spare_rss_bytes'] / 2**20:.0f} MiB "
         f"(serving worker {mem['serving_rss_bytes'] / 2**20:.0f} MiB, supervisor {mem['supervisor_rss_bytes'] / 2**20:.0f} MiB)",
+        "spare reserve (counted in the serving worker's memory plan): " + (
+            "none, the spare waits cold" if mem.get("spare_reserve_bytes") is None
+            else f"{mem['spare_reserve_bytes'] / 2**20:.2f} MiB on {r['environment']['device']}"),
     ])

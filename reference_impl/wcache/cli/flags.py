@@ -150,8 +150,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000,
                    help="port of the HTTP API (GET /health, POST /v1/completions); taken: exit status 2")
     p.add_argument("--respawn", action="store_true",
-                   help="keep the listening socket in a supervisor and a spare worker ready (torch imported, no "
-                        "CUDA context); when the serving worker dies, the spare takes over the same socket, so "
+                   help="keep the listening socket in a supervisor and a hot spare worker ready (context, weights "
+                        "and a warm-up forward; no KV cache); when the serving worker dies, the spare takes over the same socket, so "
                         "clients wait instead of being refused (one-rank engines; docs/respawn.md)")
     p.add_argument("--respawn-heartbeat-timeout", type=_positive_float, default=5.0, metavar="SECONDS",
                    help="with --respawn: a serving worker silent this long (stopped, or one forward pass stuck "

@@ -322,12 +322,14 @@ def rank_specs(args, loader_config):
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
 
 
-def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None) -> int:
+def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None,
+              prepared: RankRunner | None = None) -> int:
     """``wcache serve``: every world size, one path.
 
     A ``--respawn`` worker (engine/spare.py) passes the listening socket its supervisor bound
     (``sock``); a promoted spare leaves clients in the backlog until it is ready
-    (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``.
+    (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``. A hot
+    spare passes the rank it ``prepare``d while waiting (``prepared``): only its KV cache is left to do.
     """
     from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.served import ServedModel
@@ -335,7 +337,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
 
     plan, specs = rank_specs(args, loader_config)
     served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
-    runner = RankRunner.from_spec(specs[0])
+    runner = prepared or RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
                  plan.layout.describe(), len(specs), plan.world_size, plan.init_method)
@@ -347,7 +349,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
                  "weights are loaded" if runner.plain else "every rank has its weights")
     supervisor = Supervisor(specs[1:], server)
     try:
-        runner.start()
+        runner.finish() if prepared is not None else runner.start()
     except BaseException:
         supervisor.abort()
         if server is not None:

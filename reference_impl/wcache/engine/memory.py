@@ -3,7 +3,7 @@
 The budget is ``--gpu-memory-utilization`` x the device's capacity (on CPU, ``--cpu-memory-capacity``,
 default the host's physical memory, so CI runs the very same arithmetic). It must hold
 
-    own weights + externally held weights + activation peak + KV cache
+    own weights + externally held weights + activation peak + spare reserve + KV cache
 
 * own weights: tensors this process allocated (a disk load, or a copy-mode clone);
 * externally held weights: what the weight-cache daemon holds for this engine in zero_copy mode,
@@ -12,6 +12,9 @@ default the host's physical memory, so CI runs the very same arithmetic). It mus
   of the daemon's, so they are 0 and the weights count as its own;
 * activation peak: measured by a real forward pass over ``max_model_len`` dummy tokens (CUDA: the
   allocator's peak; CPU: live tensor bytes followed op by op, see ``PeakTracker``);
+* spare reserve (``wcache serve --respawn`` only, else 0): what the waiting hot spare holds on the
+  device (engine/spare.py measures it: its context, its own weights if it has a copy, the
+  warm-up's workspace), so the serving worker and the spare never over-commit the device;
 * KV cache: the rest, in whole tokens of ``kv_bytes_per_token``. It is cut into slots of
   ``max_model_len`` tokens, one per running sequence: ``--max-num-seqs`` of them, or as many as
   the budget holds (``size_num_seqs``). Slots rather than pages of a block pool: a sequence that is
@@ -107,6 +110,7 @@ class MemoryPlan:
     external_weights: int
     activation_peak: int
     kv_bytes_per_token: int
+    spare_reserve: int = 0
 
     @property
     def budget(self) -> int:
@@ -115,7 +119,7 @@ class MemoryPlan:
     @property
     def kv_cache_bytes(self) -> int:
         """What is left for the KV cache (negative when the rest does not even fit)."""
-        return self.budget - self.own_weights - self.external_weights - self.activation_peak
+        return self.budget - self.own_weights - self.external_weights - self.activation_peak - self.spare_reserve
 
     @property
     def kv_tokens(self) -> int:
@@ -128,7 +132,8 @@ class MemoryPlan:
         return (f"budget {self.utilization:g} x {format_bytes(self.capacity)} = {format_bytes(self.budget)} = "
                 f"own weights {format_bytes(self.own_weights)} + external weights "
                 f"{format_bytes(self.external_weights)} + activation peak {format_bytes(self.activation_peak)} + "
-                f"KV cache {format_bytes(kv)} ({self.kv_tokens} tokens of {format_bytes(self.kv_bytes_per_token)})")
+                + (f"spare reserve {format_bytes(self.spare_reserve)} + " if self.spare_reserve else "")
+                + f"KV cache {format_bytes(kv)} ({self.kv_tokens} tokens of {format_bytes(self.kv_bytes_per_token)})")
 
     def as_json(self) -> str:
         return json.dumps({**asdict(self), "budget": self.budget, "kv_cache_bytes": self.kv_cache_bytes,

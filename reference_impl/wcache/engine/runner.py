@@ -65,6 +65,7 @@ OP_FORWARD, OP_STOP, OP_KEEPALIVE = 1, 2, 3
 TARGET, DRAFT = 0, 1  # which model a forward pass runs
 HEADER_FIXED = 5  # op, model, rows, tokens per row, logits_from; then slots, starts and tokens
 DEFAULT_MAX_MODEL_LEN = 2048
+WARM_UP_TOKENS = 8  # a hot spare's warm-up prefill (runner.warm_up)
 # vLLM's default (its V1 engine picks 256 or 1024 by hardware). Every slot holds a whole
 # --max-model-len, so the KV cache for 256 slots is allocated at start; memory.py lowers it to what
 # the budget holds. tiny: 256 x 512 tokens x 1 KiB = 128 MiB; llama-8b: 256 x 2048 x 128 KiB = 64 GiB.
@@ -127,6 +128,7 @@ class RankRunner:
         self.num_seqs = 1  # KV cache slots: sequences that run at once
         self.header_len = HEADER_FIXED
         self.proposed = self.accepted = 0
+        self.spare_reserve = 0  # --respawn: device bytes the waiting spare holds (memory.MemoryPlan)
         self.trace: list | None = None  # set to a list to record every forward pass's logits (tests)
 
     @classmethod
@@ -149,6 +151,48 @@ class RankRunner:
             raise
 
     def load(self) -> None:
+        self.load_models()
+        self._size_memory()
+        self.world.barrier()  # every rank has its weights and KV cache before rank 0 reports ready
+
+    # -- a hot --respawn spare (engine/spare.py): everything but the KV cache before promotion ----
+    def prepare(self) -> None:
+        """Join, load (zero_copy: map the daemon's arena again) and tune, then run a warm-up forward
+        so kernels and libraries are loaded; no KV cache is kept. ``finish()`` sizes and allocates it."""
+        try:
+            self.world.join()
+            self.load_models()
+            self.warm_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def finish(self) -> None:
+        """A prepared rank (``prepare``): size memory and allocate the KV cache; no weight is read."""
+        try:
+            self._size_memory()
+            self.world.barrier()
+        except BaseException:
+            self.close()
+            raise
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A prefill of a few tokens and one decode step on every model, on a throw-away cache: the
+        first forward loads kernels, libraries and workspaces (cuBLAS: ~0.2 s and ~130 MiB on an
+        H200), which a spare pays while it waits instead of in its first answer."""
+        for m in (self.model, self.draft):
+            if m is None:
+                continue
+            cache = m.new_cache(WARM_UP_TOKENS + 1)
+            m(torch.zeros(WARM_UP_TOKENS, dtype=torch.long, device=self.device), 0, cache)
+            m(torch.zeros(1, dtype=torch.long, device=self.device), WARM_UP_TOKENS, cache)
+            del cache
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def load_models(self) -> None:
+        """The models' weights and their tuned kernels, with nothing sized yet."""
         o = self.options
         self.model = self._load(self.cfg, o.load_format, draft=False)
         # This rank's tuned projection kernels (the daemon's, or tune now); drafts skip it, as upstream.
@@ -165,8 +209,6 @@ class RankRunner:
             self.draft = self._load(dcfg, dfmt, draft=True)
         for loaded in self.loads:  # copy mode: the daemon's memory is free before ours is planned
             loaded.settle()
-        self._size_memory()
-        self.world.barrier()  # every rank has its weights and KV cache before rank 0 reports ready
 
     def _load(self, cfg: EngineConfig, fmt: str, draft: bool) -> Llama:
         loaded = load_weights(cfg, fmt, self.options.loader_config, draft=draft)
@@ -200,6 +242,7 @@ class RankRunner:
             own_weights=sum(ld.report.nbytes - ld.report.external_bytes for ld in self.loads),
             external_weights=external,
             activation_peak=max(memory.measure_activation_peak(m, want + lookahead) for m in models),
+            spare_reserve=self.spare_reserve,
             kv_bytes_per_token=sum(memory.kv_bytes_per_token(m.shape, m.dtype) for m in models))
         if external:
             log.info(memory.HELD_OUTSIDE.format(external=memory.format_bytes(external), split=plan.split()))

@@ -1,14 +1,19 @@
-"""A ``wcache serve --respawn`` worker: a fresh interpreter that imports everything an engine
-start needs, then waits, holding no CUDA context, until its supervisor (engine/respawn.py)
-promotes it to serve.
+"""A ``wcache serve --respawn`` worker: a fresh interpreter that gets as far into an engine start as
+it can without a KV cache, then waits until its supervisor (engine/respawn.py) promotes it to serve.
+
+A hot spare: while it waits it holds its CUDA context, has the weights (zero_copy maps the daemon's
+arena again, at no memory cost; disk reads its own copy) and has run a warm-up forward
+(runner.warm_up), so kernels and libraries are loaded. What that costs on the device, the spare
+reserve, is measured here and counted by the serving worker's memory plan (memory.MemoryPlan).
+Promotion then only sizes and allocates the KV cache (runner.finish) and starts answering.
+``ipc_cache`` copy mode cannot do this: the serving worker had the daemon release the weights, so
+the spare waits cold (imports only) and loads after promotion, as it says in its log.
 
 Started as ``python -m wcache.engine.spare`` with its settings as JSON in ``WCACHE_SPARE_SPEC``: the
 ``wcache serve`` arguments, and three inherited descriptors: the listening socket, a control
 pipe it reads its promotion from and a status pipe it writes its progress to (one JSON object a
 line, no pickle). Once promoted it runs ``wcache serve``'s own start-up (engine.run_serve) with
 the inherited socket: the same loaders, memory plan and autotune as a plain ``wcache serve``.
-Only then does it create its CUDA context, so the import of torch and wcache (most of an engine's
-start, see docs/respawn.md) is paid before the previous worker died, not after.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from wcache.engine.loading.lease import CacheLease  # noqa: E402,F401
 from wcache.engine.handed import HandedConnections  # noqa: E402
 from wcache.engine.heartbeat import Heartbeat  # noqa: E402
 from wcache.engine.respawn import BEAT_S, HEARTBEAT_TIMEOUT_S, SPARE_ENV  # noqa: E402
-from wcache.engine.runner import die_with_parent  # noqa: E402
+from wcache.engine.memory import format_bytes  # noqa: E402
+from wcache.engine.runner import RankRunner, die_with_parent  # noqa: E402
 from wcache.engine.server import EngineServer  # noqa: E402,F401
 from wcache.engine.supervisor import Supervisor  # noqa: E402,F401
 from wcache.errors import UserError  # noqa: E402
@@ -45,6 +51,16 @@ log = logging.getLogger("wcache.engine")
 
 SPARE_READY = ("Spare engine worker pid {pid} ready: torch and wcache imported in {seconds:.2f} s, "
                "no CUDA context (CUDA initialized: {cuda})")
+SPARE_HOT = ("Hot spare engine worker pid {pid} ready in {seconds:.2f} s: weights from {source}, warm-up forward "
+             "run, no KV cache; spare reserve {reserve} ({bytes} bytes) on {device}")
+# The same preparation in a worker whose order was already waiting (not a spare: no "Hot spare" line).
+PREPARED_AT_ONCE = ("Engine worker pid {pid} prepared in {seconds:.2f} s: weights from {source}, warm-up forward "
+                    "run; spare reserve {reserve} ({bytes} bytes) on {device}")
+SPARE_COLD_COPY = ("Spare engine worker pid {pid} waits cold: in copy mode the serving worker had the daemon release "
+                   "the weights, so this spare loads them after its promotion")
+NO_NVML = ("NVML cannot read the free device memory ({error}); the spare reserve counts the warm-up and weights "
+           "but not the CUDA context")
+SPARE_COLD_FAILED = "Spare engine worker pid {pid} could not prepare ({error}); it loads after its promotion"
 # A worker whose order was waiting when its imports were done (the first one, or one started when
 # no spare was left) was never a spare: it says so.
 PROMOTED_AT_ONCE = "Engine worker pid {pid}: torch and wcache imported in {seconds:.2f} s"
@@ -71,6 +87,55 @@ def warm_up() -> None:
         (torch.ones(8, 8) @ torch.ones(8, 8)).sum().item()
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free bytes on the device, read before this process creates a CUDA context where NVML can
+    (so the context counts in the reserve); None on CPU."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free)
+    except Exception as e:  # no NVML: the context's own cost is then not in the reserve
+        log.warning(NO_NVML.format(error=e))
+        return int(torch.cuda.mem_get_info(device)[0])
+
+
+def prepare(args, at_once: bool):
+    """(the prepared rank, its status fields) of a hot spare, or (None, fields) for a cold one."""
+    from wcache.engine.engine import rank_specs
+
+    loader_config = parse_loader_config(args.model_loader_extra_config)
+    if args.load_format == "ipc_cache" and loader_config.mode == "copy":
+        log.info(SPARE_COLD_COPY.format(pid=os.getpid()))
+        return None, {"warm": False, "cold": "copy mode"}
+    t0 = time.monotonic()
+    try:
+        plan, specs = rank_specs(args, loader_config)
+        runner = RankRunner.from_spec(specs[0])
+        if len(specs) > 1 or not plan.drives or runner.world.size > 1:
+            log.info(SPARE_COLD_FAILED.format(pid=os.getpid(), error="an engine of several ranks"))
+            return None, {"warm": False, "cold": "several ranks"}
+        before = free_device_bytes(runner.device)
+        runner.prepare()
+    except Exception as e:  # a daemon gone, a file unreadable: the promotion tries again, cold, and says why
+        log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=str(e).splitlines()[0] if str(e) else repr(e)))
+        return None, {"warm": False, "cold": "prepare failed"}
+    if before is not None:
+        runner.spare_reserve = max(0, before - int(torch.cuda.mem_get_info(runner.device)[0]))
+    else:  # CPU: a context is free; the budget is host memory, where a disk copy of the weights counts
+        runner.spare_reserve = sum(ld.report.nbytes - ld.report.external_bytes for ld in runner.loads)
+    fields = {"warm": True, "reserve_bytes": runner.spare_reserve, "device": str(runner.device),
+              "prepare_s": round(time.monotonic() - t0, 3), "kv_cache": runner.kv_cache is not None,
+              "weights": runner.report.source}
+    log.info((PREPARED_AT_ONCE if at_once else SPARE_HOT).format(
+        pid=os.getpid(), seconds=time.monotonic() - t0, source=runner.report.source,
+        reserve=format_bytes(runner.spare_reserve), bytes=runner.spare_reserve, device=runner.device))
+    return runner, fields
+
+
 def main() -> int:
     spec = json.loads(os.environ.pop(SPARE_ENV))
     logs.setup(spec["log_level"])
@@ -78,17 +143,24 @@ def main() -> int:
     warm_up()
     status = os.fdopen(spec["status_fd"], "w", buffering=1)
     control = os.fdopen(spec["control_fd"], "r")
+    args = argparse.Namespace(**spec["args"])
     cuda = torch.cuda.is_initialized()  # False: is_initialized() itself creates nothing
     seconds = time.monotonic() - T0
     waiting = select.select([control], [], [], 0)[0]
     log.info((PROMOTED_AT_ONCE if waiting else SPARE_READY).format(pid=os.getpid(), seconds=seconds, cuda=cuda))
-    tell(status, event="spare", pid=os.getpid(), import_s=round(seconds, 3), cuda_initialized=cuda)
+    try:
+        runner, fields = prepare(args, at_once=bool(waiting))
+    except UserError as e:  # a configuration error: the promotion reports it as a plain start would
+        runner, fields = None, {"warm": False, "cold": "prepare failed"}
+        log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=e))
+    tell(status, event="spare", pid=os.getpid(), import_s=round(seconds, 3), cuda_initialized=cuda, **fields)
     line = control.readline()  # blocks until promoted; EOF: the supervisor stops
     if not line:
+        if runner is not None:
+            runner.close()
         return 0
     promoted = time.monotonic()
     order = json.loads(line)
-    args = argparse.Namespace(**spec["args"])
     channel = socket.socket(fileno=spec["handoff_fd"])
     # Connections come from the supervisor (engine/handed.py), never from a listening socket: the
     # server listens on a private loopback port that nobody is told, so its accept never fires.
@@ -106,7 +178,8 @@ def main() -> int:
 
     try:
         return run_serve(args, parse_loader_config(args.model_loader_extra_config), sock=sock,
-                         answer_while_loading=order["answer_while_loading"], on_ready=on_ready)
+                         answer_while_loading=order["answer_while_loading"], on_ready=on_ready,
+                         prepared=runner)
     except UserError as e:
         log.error("%s", e)
         return 2
