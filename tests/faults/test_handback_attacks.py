@@ -97,7 +97,8 @@ def test_a_genuine_arena_with_a_forged_layout_aliases_and_attrs_is_served_as_pac
         key = cache_key(EngineConfig.build(str(tiny_model), "auto", None, "cpu"))
         got = call(d / SOCK_NAME, "get_state", key=key, mode="copy")
         assert got["manifest"] == _manifest_of(tiny_model) and got["aliases"] == {}
-        assert got["attrs"] == {"quant_method": "none", "layers": [0, 4]}
+        assert got["attrs"] == {"quant_method": "none", "layers": [0, 4],
+                                "quantization_config": {"quant_method": "none"}}  # as packed, not as forged
         answers_as_disk(fault_procs, tiny_model, d)
     finally:
         attacker.close()

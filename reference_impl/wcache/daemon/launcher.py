@@ -272,10 +272,10 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
             dead = [r for r in ranks if r.proc.poll() is not None]
             if dead and not health.failed:
                 health.failed = True
-                for r in dead:
-                    metrics.rank_exited(r.proc.pid)
                 log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
                           {r.label: r.proc.returncode for r in dead})
+                for r in dead:  # after the line: the metrics' bookkeeping may first import prometheus_client
+                    metrics.rank_exited(r.proc.pid)
         return 0
     finally:
         _stop_all(ranks)

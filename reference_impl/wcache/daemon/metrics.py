@@ -64,6 +64,13 @@ class RankMetrics:
                 if self.directory:  # read by prometheus_client at its first import: this one
                     os.environ[m.MULTIPROC_ENV] = self.directory
                 self._m = {x.name: m.build(x) for x in METRICS if not x.live}
+                # Counters start at 0 (as Prometheus asks), and in multiprocess mode each value type's
+                # file is opened by its first value: opened here, at start, a rank's descriptors stay
+                # flat afterwards (the fault tests count them around a refusal or a kill).
+                for mode in MODES:
+                    self._m[HANDOFFS.name].labels(self.rank, self.device, mode)
+                self._m[ADOPTIONS.name].labels(self.rank, self.device)
+                self._m[WEIGHTS_BYTES.name].labels(self.rank, self.device)
         return self._m[metric.name] if metric is not None else None
 
     def serving(self, nbytes: int, adopted: bool) -> None:

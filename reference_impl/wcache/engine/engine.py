@@ -347,6 +347,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         server = EngineServer.from_args(args, None, sock, served)
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
+        served.log_found()
     supervisor = Supervisor(specs[1:], server)
     try:
         runner.finish() if prepared is not None else runner.start()
@@ -373,6 +374,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
 
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
         server = EngineServer.from_args(args, engine, sock, served)
+        served.log_found()
     server.engine, server.ready = engine, True
     server.metrics.engine_ready(engine)
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)

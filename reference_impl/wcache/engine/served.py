@@ -23,6 +23,8 @@ class ServedModel:
     root: str  # the model directory, as given: each model card's root
     chat_template: ChatTemplate | None = None
     api_keys: ApiKeys = field(default_factory=ApiKeys, repr=False)
+    # What from_args found, logged once the port is bound (a port already taken stays a one-line error).
+    found: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -41,8 +43,12 @@ class ServedModel:
             raise UserError(SERVED_NAME_EMPTY)
         template = chat_template.load(args.model, getattr(args, "chat_template", None))
         keys = auth.from_flag_or_env(getattr(args, "api_key", None))
-        log.info("Chat template: %s", f"from {template.source}" if template else
-                 "none (POST /v1/chat/completions answers 400; give one with --chat-template)")
+        found = ["Chat template: " + (f"from {template.source}" if template else
+                                      "none (POST /v1/chat/completions answers 400; give one with --chat-template)")]
         if keys:
-            log.info("API key required on /v1/* (%s)", "--api-key" if getattr(args, "api_key", None) else auth.ENV)
-        return cls(names, args.model, template, keys)
+            found.append(f"API key required on /v1/* ({'--api-key' if getattr(args, 'api_key', None) else auth.ENV})")
+        return cls(names, args.model, template, keys, tuple(found))
+
+    def log_found(self) -> None:
+        for line in self.found:
+            log.info("%s", line)
