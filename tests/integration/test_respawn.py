@@ -169,6 +169,9 @@ def test_repeated_deaths_back_off_then_the_supervisor_exits_1(procs, tiny_model)
     p = procs.serve(tiny_model, "--respawn")
     for n in range(1, MAX_DEATHS + 1):
         p.wait_for(lambda: len(ready_pids(p.log())) >= n, 180, f"worker {n} ready")
+        # ...and the supervisor has read that readiness (its own line), or a kill before it would be
+        # a death without a "Respawned" line to count below
+        p.wait_for(lambda: p.log().count("Respawned: engine worker pid") >= n - 1, 60, f"respawn {n - 1} seen")
         os.kill(ready_pids(p.log())[-1], signal.SIGKILL)  # each dies well within STABLE_S of being ready
     assert p.exit_code(120) == 1
     log = p.log()
