@@ -112,7 +112,7 @@ def check_respawn(events: list[dict], log: str) -> None:
     after = [e for e in events if e["event"] == "probe" and e["probe"] == "readiness" and e["t"] >= killed["t"]]
     assert after and all(e["ok"] for e in after), after
     # Both workers mapped the daemon's weights; none loaded its own copy from disk.
-    assert log.count(mapped_line()) == 2, log
+    assert log.count(mapped_line()) in (2, 3), log  # and the next hot spare, if it mapped before the stop
     assert "falling back" not in log
     # Pod deletion: SIGTERM to the script stops the daemon, the supervisor and its workers.
     assert stop["exit_code"] == 0

@@ -360,7 +360,7 @@ def test_a_waiting_standby_and_its_adoption_are_reported(procs, tiny_model, wcac
     first = procs.preload(tiny_model, NO_TUNE, *port_args)
     engine = procs.serve(tiny_model, "--load-format", "ipc_cache", NO_TUNE)
     assert one(health, "wcache_daemon_standby_waiting") == 0
-    assert one(health, "wcache_daemon_adoptions_total") is None
+    assert one(health, "wcache_daemon_adoptions_total") == 0  # counters start at 0, as Prometheus asks
     standby = procs.preload(tiny_model, NO_TUNE, "--weight-cache-standby", *port_args, ready=False)
     standby.wait_for_log(STANDING_BY.format(path=default_socket(wcache_env)), timeout=120)
     wait_until(lambda: one(health, "wcache_daemon_standby_waiting") == 1, 30, "the standby counted")
@@ -372,7 +372,8 @@ def test_a_waiting_standby_and_its_adoption_are_reported(procs, tiny_model, wcac
     assert one(health, "wcache_daemon_standby_waiting") == 0
     assert one(health, "wcache_daemon_ready") == 1
     assert one(health, "wcache_daemon_weights_bytes") > 1e6
-    assert one(health, "wcache_daemon_handoffs_total") is None  # the engine was adopted, not handed weights
+    # the engine was adopted, not handed weights: both modes' counters are still 0
+    assert set(scrape(health).get("wcache_daemon_handoffs_total", {}).values()) == {0}
     # The engine maps the adopted arena, leased again from the new daemon.
     wait_until(lambda: one(engine.port, "wcache_engine_daemon_alive") == 1, 30, "the engine's lease again")
 
