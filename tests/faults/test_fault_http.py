@@ -81,15 +81,18 @@ def status_of(port: int) -> int | None:
         return None
 
 
-class Slowloris:
-    """``n`` connections, each sending a request line then one header line every ``every`` s, and
-    reconnecting as soon as the server closes one: how long each connection was held is kept."""
+class Trickler:
+    """``n`` attacker threads, each opening a connection, holding it with ``_hold`` until the server
+    lets go, then reconnecting (after ``pause`` s); ``connections`` counts the connections made."""
 
-    def __init__(self, port: int, n: int, every: float):
-        self.port, self.n, self.every = port, n, every
-        self.held: list[float] = []
+    def __init__(self, port: int, n: int, every: float, pause: float = 0.0):
+        self.port, self.n, self.every, self.pause = port, n, every, pause
+        self.connections = 0
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self._attacker, daemon=True) for _ in range(n)]
+
+    def _hold(self, s: socket.socket) -> None:
+        raise NotImplementedError
 
     def _attacker(self) -> None:
         while not self.stopping.is_set():
@@ -98,28 +101,29 @@ class Slowloris:
             except OSError:
                 time.sleep(0.05)
                 continue
-            t0 = time.monotonic()
+            self.connections += 1
             try:
-                s.sendall(b"GET /health HTTP/1.1\r\n")
-                i = 0
-                while not self.stopping.is_set():
-                    s.settimeout(self.every)
-                    try:
-                        if s.recv(1 << 16) == b"":
-                            break  # closed by the server
-                        break  # an answer (a 408 or a 503): the server let go of it
-                    except TimeoutError:
-                        pass
-                    s.sendall(b"X-Slow-%d: y\r\n" % i)
-                    i += 1
+                self._hold(s)
             except OSError:
                 pass
             finally:
-                if not self.stopping.is_set():
-                    self.held.append(time.monotonic() - t0)
                 s.close()
+            self.stopping.wait(self.pause)
 
-    def __enter__(self) -> Slowloris:
+    def _trickle(self, s: socket.socket, piece) -> None:
+        """Send ``piece(i)`` every ``every`` s until the server answers or closes (a 408 or a 503)."""
+        i = 0
+        while not self.stopping.is_set():
+            s.settimeout(self.every)
+            try:
+                s.recv(1 << 16)
+                return  # an answer or the close: the server let go of it
+            except TimeoutError:
+                pass
+            s.sendall(piece(i))
+            i += 1
+
+    def __enter__(self):
         for t in self.threads:
             t.start()
         return self
@@ -128,6 +132,24 @@ class Slowloris:
         self.stopping.set()
         for t in self.threads:
             t.join(self.every + 5)
+
+
+class Slowloris(Trickler):
+    """Connections each sending a request line then one header line every ``every`` s: how long
+    each connection was held is kept."""
+
+    def __init__(self, port: int, n: int, every: float):
+        super().__init__(port, n, every)
+        self.held: list[float] = []
+
+    def _hold(self, s: socket.socket) -> None:
+        t0 = time.monotonic()
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            self._trickle(s, lambda i: b"X-Slow-%d: y\r\n" % i)
+        finally:
+            if not self.stopping.is_set():
+                self.held.append(time.monotonic() - t0)
 
 
 def legit_during(port: int, seconds: float) -> list[tuple[float, int | None]]:
@@ -353,50 +375,14 @@ def test_a_server_serves_on_a_listening_socket_it_is_handed():
 
 
 # -- 5. bodies trickled in (issue ops-1) ---------------------------------------------------------------
-class SlowBodies:
-    """``n`` connections that send a completion's headers, then one body byte every ``every`` s,
-    and reconnect (after ``pause`` s) when the server cuts them: the issue's attack at a93be40."""
+class SlowBodies(Trickler):
+    """Connections that send a completion's headers, then one body byte every ``every`` s, and
+    reconnect (after ``pause`` s) when the server cuts them: the issue's attack at a93be40."""
 
-    def __init__(self, port: int, n: int, every: float, pause: float = 0.0):
-        self.port, self.n, self.every, self.pause = port, n, every, pause
-        self.connections = 0
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._attacker, daemon=True) for _ in range(n)]
-
-    def _attacker(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                s = socket.create_connection(("127.0.0.1", self.port), timeout=5)
-            except OSError:
-                time.sleep(0.05)
-                continue
-            self.connections += 1
-            try:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: 4096\r\n\r\n")
-                while not self.stopping.is_set():
-                    s.settimeout(self.every)
-                    try:
-                        s.recv(1 << 16)
-                        break  # an answer (a 408 or a 503) or the close: the server let go of it
-                    except TimeoutError:
-                        pass
-                    s.sendall(b" ")
-            except OSError:
-                pass
-            finally:
-                s.close()
-            self.stopping.wait(self.pause)
-
-    def __enter__(self) -> SlowBodies:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(self.every + 5)
+    def _hold(self, s: socket.socket) -> None:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 4096\r\n\r\n")
+        self._trickle(s, lambda i: b" ")
 
 
 def legit_completion(port: int) -> int:
