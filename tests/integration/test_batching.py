@@ -15,11 +15,11 @@ import urllib.error
 import urllib.request
 
 import pytest
+from batching_requests import REQUESTS, together
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.engine.engine import STREAM_BUFFER_TOKENS, Engine
 from wcache.engine.runner import EngineOptions
-from wcache.engine.sampling import SamplingParams
 from wcache.errors import QUEUE_FULL, STREAM_OVERFLOW
 from wcache.model import tokenizer
 
@@ -37,30 +37,6 @@ def engine(tiny16):
     eng = Engine.start(cfg, EngineOptions("safetensors", enable_autotune=False, max_num_seqs=16))
     yield eng
     eng.close()
-
-
-def together(fn, n: int) -> list:
-    """fn(i) for i in 0..n-1 on n threads released at once; their results in order."""
-    out, gate = [None] * n, threading.Barrier(n)
-
-    def run(i):
-        gate.wait()
-        out[i] = fn(i)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
-
-
-REQUESTS = [  # (prompt, max_tokens, sampling, stop): greedy and seeded, different lengths and stops
-    (f"Request {i} of the batch", 20 + 7 * i,
-     SamplingParams() if i % 2 else SamplingParams(0.8 + 0.05 * i, 0.9, 1000 + i),
-     ("e",) if i % 3 == 0 else ())
-    for i in range(12)
-]
 
 
 def test_a_batch_gives_every_request_the_tokens_it_gets_alone(engine):

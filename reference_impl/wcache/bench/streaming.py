@@ -99,7 +99,7 @@ def stream_once(port: int, max_tokens: int, go: threading.Barrier) -> dict:
             pieces.append(choices[0]["text"])
             finish = choices[0]["finish_reason"] or finish
     conn.close()
-    return {"status": 200, "done": done and finish is not None, "ttft_s": ttft,
+    return {"status": 200, "done": done and finish is not None, "ttft_s": ttft, "t0": t0,
             "request_s": time.perf_counter() - t0, "text": "".join(pieces), "tokens": tokens}
 
 
@@ -111,7 +111,16 @@ def one_client(port: int, max_tokens: int, rounds: int = 3) -> dict:
     if not runs:
         return {}
     return {"ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 4),
-            "tokens_per_s": round(statistics.median(r["tokens"] / r["request_s"] for r in runs), 2)}
+            "tokens_per_s": round(statistics.median(r["tokens"] / r["request_s"] for r in runs), 2),
+            "decode_tokens_per_s": round(statistics.median(decode_rate([r]) for r in runs), 2)}
+
+
+def decode_rate(streams: list[dict]) -> float:
+    """Tokens after the first, per second of the window from the earliest first token to the last
+    stream's end: the decode steps' throughput, without the prompts' passes before it."""
+    start = min(r["t0"] + r["ttft_s"] for r in streams)
+    end = max(r["t0"] + r["request_s"] for r in streams)
+    return sum(r["tokens"] - 1 for r in streams) / (end - start)
 
 
 def engine_steps(log_path: Path) -> dict | None:
@@ -128,6 +137,7 @@ def ratios(record: dict) -> dict | None:
     if not one or not record["ttft_s"]:
         return None
     return {"tokens_per_s": round(record["tokens_per_s"] / one["tokens_per_s"], 2),
+            "decode_tokens_per_s": round(record["decode_tokens_per_s"] / one["decode_tokens_per_s"], 2),
             "ttft_p99": round(record["ttft_s"]["p99"] / one["ttft_s"], 2)}
 
 
@@ -167,6 +177,7 @@ def run(model: str, clients: int, max_tokens: int, workdir: Path, vs_one: bool =
     extra = {}
     if vs_one:
         extra = {"one_client": one, "tokens_per_s": round(sum(r["tokens"] for r in complete) / wall, 2),
+                 "decode_tokens_per_s": round(decode_rate(complete), 2),
                  "engine_steps": engine_steps(workdir / "engine.log")}
     ttfts = [r["ttft_s"] for r in complete if r["ttft_s"] is not None]
     requests = [r["request_s"] for r in complete]
@@ -221,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text, end="")
     if args.vs_one and record["vs_one"]:
         r, steps = record["vs_one"], record.get("engine_steps") or {}
-        print(f"{args.clients} clients vs one: aggregate tokens/s x{r['tokens_per_s']}, time to first token p99 "
-              f"x{r['ttft_p99']}; engine step {steps.get('step_ms')} ms = forward {steps.get('forward_ms')} ms "
+        one = record["one_client"]
+        print(f"{args.clients} clients vs one: aggregate tokens/s x{r['tokens_per_s']} (decode tokens/s "
+              f"{record['decode_tokens_per_s']} vs {one['decode_tokens_per_s']}: x{r['decode_tokens_per_s']}), "
+              f"time to first token p99 x{r['ttft_p99']}; engine step {steps.get('step_ms')} ms = forward {steps.get('forward_ms')} ms "
               f"+ overhead {steps.get('overhead_ms')} ms", file=sys.stderr)
     bad = problems(record)
     for b in bad:

@@ -161,6 +161,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
                    help="sequences decoded together in one batch (continuous batching); each holds a KV cache slot "
                         "of --max-model-len tokens, so the engine lowers it to what the memory budget holds")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run every decode step eagerly instead of replaying CUDA graphs of it (the same "
+                        "tokens, more host time per step)")
     p.add_argument("--max-waiting-requests", type=_positive, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                    help="requests that may wait for a batch slot; past it a request is refused at once with "
                         "503 and Retry-After")

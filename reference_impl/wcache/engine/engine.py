@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ KEEPALIVE_S = 60.0
 # Tokens a request's thread may fall behind the engine loop (a streaming client that stops reading,
 # once the socket's buffers are full) before the engine ends that request and frees its slot.
 STREAM_BUFFER_TOKENS = 256
+GIL_SWITCH_S = 0.0005  # a GPU engine's Python thread switch interval (sys.setswitchinterval)
+
 # Logged when the engine stops; the HTTP bench reads it (what the loop adds to the forward passes).
 STEP_STATS = "Engine steps (ms per step): {json}"
 
@@ -105,6 +108,10 @@ class Engine:
         self.stats = StepStats()
         self.closed = False
         self._close_lock = threading.Lock()
+        if runner.gpu is not None:
+            # The engine thread waits for the GPU once per step, and then for the GIL, which the HTTP
+            # threads hold in turn: by default a waiting thread asks for it after 5 ms, a step's worth.
+            sys.setswitchinterval(GIL_SWITCH_S)
         self._loop_thread = threading.Thread(target=self._loop, name="wcache-engine", daemon=True)
         self._loop_thread.start()
 
@@ -223,7 +230,8 @@ class Engine:
                 seq.spec[1] += r.accepted - before[1]
                 self._emit(seq, new)
         else:
-            for group in prompt_groups([s for s in step.joining if s.slot >= 0], r.max_model_len):
+            for group in prompt_groups([s for s in step.joining if s.slot >= 0], r.max_model_len,
+                                       together=r.gpu is None):
                 # Joining requests' prompts (their first tokens): prompts of one length share a pass.
                 f0 = time.perf_counter()
                 logits = r.run(TARGET, [s.slot for s in group], [0] * len(group), [s.prompt for s in group])
@@ -285,16 +293,19 @@ class Engine:
             self.runner.close()
 
 
-def prompt_groups(joining: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
+def prompt_groups(joining: list[Sequence], max_tokens: int, together: bool = True) -> list[list[Sequence]]:
     """Joining sequences in passes: prompts of the same length together (a pass's rows have one
     length), at most ``max_tokens`` prompt tokens and header entries per pass, so no pass needs
-    more activation memory than the longest prompt the memory plan measured, or a longer header."""
+    more activation memory than the longest prompt the memory plan measured, or a longer header.
+    Not ``together`` (a GPU decoding in tiles): one prompt per pass, as it would run alone, because
+    the GPU's matrix kernels are chosen by the number of rows, and a prompt's keys must not depend
+    on which others arrived with it."""
     by_length: dict[int, list[Sequence]] = {}
     for seq in joining:
         by_length.setdefault(len(seq.prompt), []).append(seq)
     out = []
     for length, seqs in by_length.items():
-        per_pass = max(1, (max_tokens + 2) // (length + 2))
+        per_pass = max(1, (max_tokens + 2) // (length + 2)) if together else 1
         out += [seqs[i : i + per_pass] for i in range(0, len(seqs), per_pass)]
     return out
 
@@ -316,7 +327,7 @@ def rank_specs(args, loader_config):
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_capacity=args.cpu_memory_capacity,
         enable_autotune=args.enable_autotune, draft=draft, init_method=plan.init_method,
         backend="nccl" if base.device == "cuda" else "gloo", max_num_seqs=args.max_num_seqs,
-        max_waiting_requests=args.max_waiting_requests)
+        max_waiting_requests=args.max_waiting_requests, enforce_eager=args.enforce_eager)
     model_flags = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
                    "device": base.device, "revision": args.revision}
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
@@ -331,8 +342,8 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``. A hot
     spare passes the rank it ``prepare``d while waiting (``prepared``): only its KV cache is left to do.
     """
-    from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.served import ServedModel
+    from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.supervisor import Supervisor
 
     plan, specs = rank_specs(args, loader_config)

@@ -3,7 +3,7 @@
 The budget is ``--gpu-memory-utilization`` x the device's capacity (on CPU, ``--cpu-memory-capacity``,
 default the host's physical memory, so CI runs the very same arithmetic). It must hold
 
-    own weights + externally held weights + activation peak + spare reserve + KV cache
+    own weights + externally held weights + activation peak + spare reserve + CUDA graphs + KV cache
 
 * own weights: tensors this process allocated (a disk load, or a copy-mode clone);
 * externally held weights: what the weight-cache daemon holds for this engine in zero_copy mode,
@@ -15,6 +15,8 @@ default the host's physical memory, so CI runs the very same arithmetic). It mus
 * spare reserve (``wcache serve --respawn`` only, else 0): what the waiting hot spare holds on the
   device (engine/spare.py measures it: its context, its own weights if it has a copy, the
   warm-up's workspace), so the serving worker and the spare never over-commit the device;
+* CUDA graphs (a GPU engine of one rank, engine/gpu_steps.py, else 0): the memory pool that
+  the CUDA graphs of its forward passes keep, measured by one eager pass of each kind;
 * KV cache: the rest, in whole tokens of ``kv_bytes_per_token``. It is cut into slots of
   ``max_model_len`` tokens, one per running sequence: ``--max-num-seqs`` of them, or as many as
   the budget holds (``size_num_seqs``). Slots rather than pages of a block pool: a sequence that is
@@ -111,6 +113,7 @@ class MemoryPlan:
     activation_peak: int
     kv_bytes_per_token: int
     spare_reserve: int = 0
+    graph_pool: int = 0
 
     @property
     def budget(self) -> int:
@@ -119,7 +122,8 @@ class MemoryPlan:
     @property
     def kv_cache_bytes(self) -> int:
         """What is left for the KV cache (negative when the rest does not even fit)."""
-        return self.budget - self.own_weights - self.external_weights - self.activation_peak - self.spare_reserve
+        return (self.budget - self.own_weights - self.external_weights - self.activation_peak - self.spare_reserve
+                - self.graph_pool)
 
     @property
     def kv_tokens(self) -> int:
@@ -133,6 +137,7 @@ class MemoryPlan:
                 f"own weights {format_bytes(self.own_weights)} + external weights "
                 f"{format_bytes(self.external_weights)} + activation peak {format_bytes(self.activation_peak)} + "
                 + (f"spare reserve {format_bytes(self.spare_reserve)} + " if self.spare_reserve else "")
+                + (f"CUDA graphs {format_bytes(self.graph_pool)} + " if self.graph_pool else "")
                 + f"KV cache {format_bytes(kv)} ({self.kv_tokens} tokens of {format_bytes(self.kv_bytes_per_token)})")
 
     def as_json(self) -> str:

@@ -48,7 +48,8 @@ from wcache.core import autotune
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.speculative import CACHED_DRAFT_METHODS
-from wcache.engine import memory
+from wcache.engine import gpu_steps, memory
+from wcache.engine.gpu_steps import GpuSteps
 from wcache.engine.loading.base import LoadedWeights
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.registry import load_weights
@@ -91,6 +92,7 @@ class EngineOptions:
     backend: str = "gloo"
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences decoded together (--max-num-seqs)
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # queued beyond them; then 503 (rank 0)
+    enforce_eager: bool = False  # GPU decode tiles without CUDA graphs (--enforce-eager)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -125,10 +127,12 @@ class RankRunner:
         self.memory: memory.MemoryPlan | None = None
         self.max_model_len = 0
         self.kv_cache = self.draft_cache = None
+        self.gpu: GpuSteps | None = None  # GPU, one rank, no draft: passes as CUDA graphs
         self.num_seqs = 1  # KV cache slots: sequences that run at once
         self.header_len = HEADER_FIXED
         self.proposed = self.accepted = 0
         self.spare_reserve = 0  # --respawn: device bytes the waiting spare holds (memory.MemoryPlan)
+        self.graph_pool: int | None = None  # device bytes the decode graphs hold (memory.MemoryPlan)
         self.trace: list | None = None  # set to a list to record every forward pass's logits (tests)
 
     @classmethod
@@ -188,6 +192,8 @@ class RankRunner:
             m(torch.zeros(WARM_UP_TOKENS, dtype=torch.long, device=self.device), 0, cache)
             m(torch.zeros(1, dtype=torch.long, device=self.device), WARM_UP_TOKENS, cache)
             del cache
+        if self.tiled:  # the graphs' passes too, measured now rather than at promotion
+            self._graph_pool(min(self.options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.cfg.shape.max_positions))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -227,6 +233,20 @@ class RankRunner:
                      "draft " if draft else "", report.nbytes / 2**20, report.source, report.seconds)
         return model
 
+    @property
+    def tiled(self) -> bool:
+        """Forward passes as CUDA graphs, decode steps in tiles of slots (engine/gpu_steps.py): a GPU
+        engine of one rank without a draft. Several ranks decode as one batch of the running rows."""
+        return self.device.type == "cuda" and self.world.size == 1 and self.draft_spec is None
+
+    def _graph_pool(self, slot_len: int) -> int:
+        """The CUDA graphs' memory (0 unless tiled) for slots of at most ``slot_len`` positions; a
+        spare measured it while it waited."""
+        if self.graph_pool is None:
+            self.graph_pool = (gpu_steps.pool_bytes(self.model, self.options.max_num_seqs, slot_len)
+                               if self.tiled else 0)
+        return self.graph_pool
+
     def _size_memory(self) -> None:
         """Split this rank's budget (memory.py), agree with the other ranks on the longest sequence,
         and allocate the KV cache(s) for it."""
@@ -243,6 +263,7 @@ class RankRunner:
             external_weights=external,
             activation_peak=max(memory.measure_activation_peak(m, want + lookahead) for m in models),
             spare_reserve=self.spare_reserve,
+            graph_pool=self._graph_pool(want + lookahead),
             kv_bytes_per_token=sum(memory.kv_bytes_per_token(m.shape, m.dtype) for m in models))
         if external:
             log.info(memory.HELD_OUTSIDE.format(external=memory.format_bytes(external), split=plan.split()))
@@ -257,6 +278,8 @@ class RankRunner:
         want_seqs = 1 if self.draft is not None else o.max_num_seqs
         self.num_seqs = memory.size_num_seqs(plan, self.max_model_len, size, want_seqs, tokens=tokens + lookahead)
         self.kv_cache = self.model.new_cache(size, self.num_seqs)
+        if self.tiled:
+            self.gpu = GpuSteps(self.model, self.kv_cache, self.num_seqs, graphs=not o.enforce_eager)
         if self.draft is not None:
             self.draft_cache = self.draft.new_cache(size, self.num_seqs)
         # The longest header: one row of a whole sequence (a prefill), or one token of every slot.
@@ -306,6 +329,10 @@ class RankRunner:
         stage's first rank sends the logits to rank 0. Returns the logits on rank 0, else None."""
         model, cache = (self.model, self.kv_cache) if model_id == TARGET else (self.draft, self.draft_cache)
         s, B = model.shape, len(slots)
+        if self.gpu is not None and model_id == TARGET and lf < 0 and (logits := self._graphed(slots, starts, tokens, T)) is not None:
+            if self.trace is not None:
+                self.trace.append(logits.clone())
+            return logits
         if s.first_stage:
             x = torch.tensor(tokens, dtype=torch.long, device=self.device).view(B, T)
         else:
@@ -326,6 +353,14 @@ class RankRunner:
         if self.trace is not None:
             self.trace.append(logits.clone())
         return logits
+
+    def _graphed(self, slots: list[int], starts: list[int], tokens: list[int], T: int) -> torch.Tensor | None:
+        """The pass through the CUDA graphs (gpu_steps): a decode step, or one prompt short enough."""
+        if T == 1:
+            return self.gpu.decode(slots, starts, tokens)
+        if len(slots) == 1 and starts[0] == 0:
+            return self.gpu.prompt(slots[0], tokens)
+        return None
 
     # -- one sequence alone (tests, and the speculative engine's rounds) ------------------------
     def speculate(self, slot: int, committed: list[int], lens: list[int]) -> list[int]:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from wcache.model import rope
 from wcache.model.quant import QuantMethod
@@ -43,7 +44,7 @@ class ModelShape:
     pp_rank: int = 0
 
     @classmethod
-    def from_config(cls, cfg: dict, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0) -> "ModelShape":
+    def from_config(cls, cfg: dict, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0) -> ModelShape:
         """From a config.json that wcache.core.llama_config.normalize resolved (every field present)."""
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -161,7 +162,13 @@ class Attention(nn.Module):
                     q[b].transpose(0, 1), cache_k[slot, :end].transpose(0, 1), cache_v[slot, :end].transpose(0, 1),
                     attn_mask=mask, enable_gqa=True))  # (heads, T, head_dim)
             out = (outs[0] if B == 1 else torch.stack(outs)).view(B, self.heads, T, self.head_dim)
-        else:
+        elif batch.from_zero:  # GPU, prompts of one length from position 0: causal, no mask (flash)
+            cache_k[batch.slot_index, batch.positions] = k
+            cache_v[batch.slot_index, batch.positions] = v
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # cuDNN's would build a plan for every new length
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        else:  # GPU, a verification of draft tokens (or a decode step of a multi-rank engine)
             cache_k[batch.slot_index, batch.positions] = k
             cache_v[batch.slot_index, batch.positions] = v
             keys = cache_k[batch.slots, : batch.length]  # (B, L, kv_heads, head_dim), L = the longest row's end
@@ -172,6 +179,27 @@ class Attention(nn.Module):
                 q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask,
                 enable_gqa=True)  # (B, heads, T, head_dim)
         return self.all_reduce(self.o(out.transpose(1, 2).reshape(B * T, self.heads * self.head_dim)))
+
+    def decode(self, x, cos, sin, cache_k, cache_v, tile: Tile) -> torch.Tensor:
+        """One new token for every slot of a tile (GPU decoding, see Tile): x (rows, hidden)."""
+        n, group = tile.rows, self.heads // self.kv_heads
+        q, k, v = self.qkv(x).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q = rope.apply(q.view(n, 1, self.heads, self.head_dim), cos, sin)
+        k = rope.apply(k.view(n, 1, self.kv_heads, self.head_dim), cos, sin)
+        cache_k[tile.slot_index, tile.positions] = k[:, 0]
+        cache_v[tile.slot_index, tile.positions] = v.view(n, self.kv_heads, self.head_dim)
+        # The query heads that share a key head are stacked as that head's queries (head h reads key
+        # head h // group): (rows, kv_heads, group, head_dim). Every operand then has kv_heads heads, so
+        # the masked call runs a fused kernel instead of copying the keys once per query head.
+        # The memory-efficient kernel: a row's output measured the same whatever the other rows and the
+        # padded length (masked keys add exact zeros), on an H200.
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(
+                q.view(n, self.kv_heads, group, self.head_dim), cache_k[tile.slots, : tile.length].transpose(1, 2),
+                cache_v[tile.slots, : tile.length].transpose(1, 2), attn_mask=tile.mask)  # (rows, kv_heads, group, hd)
+        return self.all_reduce(self.o(out.reshape(n, self.heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -197,6 +225,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: Batch) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, batch)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, cos, sin, cache_k, cache_v, tile: Tile) -> torch.Tensor:
+        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache_k, cache_v, tile)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -238,7 +270,8 @@ class Llama(nn.Module):
         ]
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start, cache, all_positions: bool = False, slots=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start, cache, all_positions: bool = False, slots=None,
+                last: torch.Tensor | None = None) -> torch.Tensor:
         """One forward pass over a batch of sequences, each with the same number of new tokens.
 
         ``x``: token ids (first stage) or hidden states (later stages), either of one sequence,
@@ -247,6 +280,8 @@ class Llama(nn.Module):
         (default 0..B-1). Out: hidden states (B*T, hidden) on a stage before the last; on the last,
         the logits of each row's final position, (B, vocab) or (vocab,) for one sequence, or of
         every position with ``all_positions`` (speculative verification), (B, T, vocab) or (T, vocab).
+        ``slots`` may be a device tensor and ``last`` one position (1,) whose logits to return instead
+        of the final one's, for one prompt padded to a fixed length (a CUDA graph, engine/gpu_steps.py).
         """
         s = self.shape
         one = isinstance(start, int)
@@ -260,7 +295,9 @@ class Llama(nn.Module):
             T = x.numel() // (B * s.hidden_size)
             x = x.view(B * T, s.hidden_size)
         slot_len = cache[0][0].shape[1] if cache else 0  # positions per cache slot
-        batch = Batch(starts, T, list(range(B)) if slots is None else list(slots), x.device, slot_len)
+        if slots is None:
+            slots = list(range(B))
+        batch = Batch(starts, T, slots if isinstance(slots, torch.Tensor) else list(slots), x.device, slot_len)
         cos, sin = rope.cos_sin(batch.positions, s.rope, s.head_dim, self.dtype)  # (B, T, head_dim)
         for block, (ck, cv) in zip(self.layers.values(), cache):
             x = block(x, cos, sin, ck, cv, batch)
@@ -269,9 +306,44 @@ class Llama(nn.Module):
         if all_positions:
             logits = F.linear(self.norm(x), self.lm_head.weight).float().view(B, T, -1)
         else:
-            last = x.view(B, T, -1)[:, -1]  # (B, hidden)
-            logits = F.linear(self.norm(last), self.lm_head.weight).float()  # (B, vocab)
+            rows = x.view(B, T, -1)
+            final = rows[:, -1] if last is None else rows.index_select(1, last)[:, 0]  # (B, hidden)
+            logits = F.linear(self.norm(final), self.lm_head.weight).float()  # (B, vocab)
         return logits[0] if one else logits
+
+    @torch.inference_mode()
+    def decode_tile(self, tokens: torch.Tensor, positions: torch.Tensor, tile: Tile, cache) -> torch.Tensor:
+        """One decode step of every slot of ``tile`` (a single-stage model on a GPU): ``tokens`` and
+        ``positions`` (rows,) are each slot's last token and its position (any value for an idle slot).
+        Out: logits (rows, vocab), float32. Only tensor operations on fixed shapes: a CUDA graph can
+        hold it (engine/gpu_steps.py)."""
+        s = self.shape
+        tile.place(positions)
+        x = F.embedding(tokens, self.embed.weight)  # (rows, hidden)
+        cos, sin = rope.cos_sin(positions[:, None], s.rope, s.head_dim, self.dtype)  # (rows, 1, head_dim)
+        for block, (ck, cv) in zip(self.layers.values(), cache):
+            x = block.decode(x, cos, sin, ck, cv, tile)
+        return F.linear(self.norm(x), self.lm_head.weight).float()
+
+
+class Tile:
+    """GPU decoding: ``rows`` consecutive KV cache slots from ``first``, one row each, attending over
+    keys ``0..length-1`` of their own slot (a view of the cache, no copy), the keys past each row's
+    position masked. Rows are slots, so an idle slot is a row too (it writes its slot's position 0,
+    which a prompt overwrites before anything reads it). Every matrix product of a decode step then
+    has the same number of rows however many sequences run, so a row's result never depends on the
+    others: the same tokens alone and in a batch (the kernels are chosen by shape)."""
+
+    def __init__(self, first: int, rows: int, length: int, device):
+        self.first, self.rows, self.length = first, rows, length
+        self.slots = slice(first, first + rows)
+        self.slot_index = torch.arange(first, first + rows, device=device)
+        self.keys = torch.arange(length, device=device)
+        self.positions = self.mask = None
+
+    def place(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self.mask = (self.keys[None, :] <= positions[:, None])[:, None, None, :]  # (rows, 1, 1, length)
 
 
 PAD = 64  # CPU attention: keys padded to a multiple of this, whatever else is in the batch
@@ -294,6 +366,7 @@ class Batch:
         else:
             self.positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
         self.rows = self.groups = self.mask = None
+        self.from_zero = T > 1 and not any(starts)  # prompts: every row's keys are its own new ones
         if torch.device(device).type == "cpu":
             self.rows = list(zip(slots, starts))
             if T == 1:
@@ -312,13 +385,17 @@ class Batch:
                                for length, rows in groups.items()]
             return
         self.length = max(starts) + T  # keys the longest row sees
+        if isinstance(slots, torch.Tensor):  # a prompt in a CUDA graph: its slot is an input
+            self.slots, self.slot_index = slots, slots[:, None]
+            return
         first = slots[0]
         contiguous = slots == list(range(first, first + len(slots)))
         self.slots = slice(first, first + len(slots)) if contiguous else torch.tensor(slots, device=device)
         self.slot_index = (torch.arange(first, first + len(slots), device=device) if contiguous
                            else self.slots)[:, None]  # (B, 1), broadcast against positions
-        keys = torch.arange(self.length, device=device)
-        self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, T, L)
+        if not self.from_zero:  # (a causal prompt needs no mask)
+            keys = torch.arange(self.length, device=device)
+            self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, T, L)
 
 
 def build_meta_model(s: ModelShape, quant: QuantMethod, dtype: torch.dtype) -> Llama:
