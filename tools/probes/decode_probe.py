@@ -1,5 +1,5 @@
 """H200: where wcache's llama decode step goes, row invariance of the primitives, and a tiled +
-# Run on the H200 from tools/probes with PYTHONPATH=../../reference_impl (2026-12-04: driver 580.159.04, torch 2.11.0+cu130).
+Run on the H200 from tools/probes with PYTHONPATH=../../reference_impl (2026-12-04: driver 580.159.04, torch 2.11.0+cu130).
 CUDA-graph decode prototype (random llama-8b-shaped bf16 weights)."""
 import json, sys, time, torch
 import torch.nn.functional as F

@@ -1,5 +1,5 @@
 """H200: the tiled decoder against the model's batch path; lone vs batch invariance; step times."""
-# Run on the H200 from tools/probes with PYTHONPATH=../../reference_impl (2026-12-04: driver 580.159.04, torch 2.11.0+cu130).
+Run on the H200 from tools/probes with PYTHONPATH=../../reference_impl (2026-12-04: driver 580.159.04, torch 2.11.0+cu130).
 import json, time, torch
 import torch.nn.functional as F
 from wcache.model import rope
