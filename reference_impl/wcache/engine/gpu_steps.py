@@ -159,17 +159,23 @@ def pool_bytes(model: Llama, num_slots: int, slot_len: int) -> int:
     rows = min(TILE_ROWS, num_slots)
     prompt_len = min(PROMPT_GRAPH_MAX, slot_len)
     device = model.device
-    cache = model.new_cache(max(FIRST_BUCKET, prompt_len), rows)
     ids = torch.zeros(max(rows, prompt_len), dtype=torch.long, device=device)
+    passes = [(FIRST_BUCKET, rows, lambda cache: model.decode_tile(
+                   ids[:rows], ids[:rows], Tile(0, rows, FIRST_BUCKET, device), cache)),
+              (prompt_len, 1, lambda cache: model(ids[:prompt_len], 0, cache, slots=ids[:1], last=ids[:1]))]
     peaks = []
-    for forward in (lambda: model.decode_tile(ids[:rows], ids[:rows], Tile(0, rows, FIRST_BUCKET, device), cache),
-                    lambda: model(ids[:prompt_len], 0, cache, slots=ids[:1], last=ids[:1])):
+    for positions, slots, forward in passes:
+        cache = model.new_cache(positions, slots)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        forward()
+        forward(cache)
         torch.cuda.synchronize(device)
         peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        del cache
+    # The throw-away caches (a tile's: 2 GiB for a llama-8b) go back to the device, not to the
+    # allocator's cache, where the KV cache's tensors might not fit them and a spare would count them.
+    torch.cuda.empty_cache()
     outputs = (rows + 1) * model.shape.vocab_size * 4
     # Each decode graph keeps its tile's mask (a byte per key per row) and key positions: the
     # buckets of one tile add up to less than twice the slot.
