@@ -243,6 +243,30 @@ def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str =
     return "\n".join(rows)
 
 
+def http_vs_one(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
+    """docs/benchmarks.md's table of the records made with ``--vs-one``: N clients against one."""
+    rows = ["| Device | Model | Clients | Tokens each | One client, tokens/s (decode) | All, tokens/s (decode) | "
+            "Ratio (decode) | First token p99 ratio | Texts as alone | Engine step = forward + overhead | Record |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for path, d in streaming_records(bench_dir):
+        if not d.get("vs_one"):
+            continue
+        one, v, st = d["one_client"], d["vs_one"], d["engine_steps"] or {}
+        device = d.get("gpu") or f"{d.get('cpu_model', d['machine'])}, {d['cpu_count']} CPUs"
+
+        def decode(x: dict, key: str = "decode_tokens_per_s") -> str:
+            return f" ({x[key]:,.0f})" if key in x else ""
+
+        ratio = f" (x{v['decode_tokens_per_s']})" if "decode_tokens_per_s" in v else ""
+        rows.append(f"| {device}, torch {d['torch']} | {d['model']} | {d['streaming_clients']} | {d['max_tokens']} | "
+                    f"{one['tokens_per_s']:,.0f}{decode(one)} | {d['tokens_per_s']:,.0f}{decode(d)} | "
+                    f"x{v['tokens_per_s']}{ratio} | "
+                    f"x{v['ttft_p99']} | {d['matching_text']} of {d['streaming_clients']} | "
+                    f"{st.get('step_ms', 0):.2f} = {st.get('forward_ms', 0):.2f} + {st.get('overhead_ms', 0):.2f} ms | "
+                    f"[{d['date'][:10]}]({link_prefix}{path.name}) |")
+    return "\n".join(rows)
+
+
 def metrics_table(metrics) -> str:
     """One row per metric family a server exports: the name a scrape shows, type, labels, meaning."""
     from wcache.core.metrics import table
@@ -272,6 +296,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "engine-metrics": engine_metrics,
     "daemon-metrics": daemon_metrics,
     "http-streaming": http_streaming,
+    "http-vs-one": http_vs_one,
     "serve-endpoints": serve_endpoints,
     "serve-fields": serve_fields,
     "chat-fields": chat_fields,
