@@ -81,3 +81,42 @@ def test_the_supervisor_side_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_worker_that_breaks_the_protocol_is_caught_and_not_read_again():
+    # What a lying worker (a bug, or a process that is no longer the engine) can put on its channel:
+    # each is a BadFrame, which the supervisor answers by killing that worker (engine/respawn.py).
+    import struct
+
+    import pytest
+
+    from wcache.engine.reception import Reception
+
+    sends = [struct.pack(">I", handoff.MAX_FRAME + 1), struct.pack(">I", 5) + b"{nope",
+             struct.pack(">I", 4) + b"[12]", struct.pack(">I", 2) + b"\xff\xfe"]
+    for raw in sends:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.setblocking(False)
+        reader = handoff.FrameReader(theirs)
+        try:
+            ours.sendall(raw + struct.pack(">I", 2) + b"{}")
+            with pytest.raises(handoff.BadFrame):
+                reader.read()
+            assert reader.eof and reader.read() == []  # nothing more is read from it
+        finally:
+            ours.close()
+            theirs.close()
+    listener = socket.socket()
+    try:
+        reception = Reception(listener, {"max_body": MAX_BODY}, {})
+        for frame in ({"id": "1", "event": "begun"}, {"id": 1, "event": "launch"}, {"event": "done"},
+                      {"id": 1.0, "event": "done"}):
+            with pytest.raises(handoff.BadFrame):
+                reception.on_frame(object(), frame)
+        reception.on_frame(object(), {"id": 7, "event": "begun"})  # a connection it was not handed: ignored
+        for rest in ("!!", 12, "é"):  # a next request's first bytes that are not base64 text
+            with pytest.raises(handoff.BadFrame):
+                handoff.decode(rest)
+        assert handoff.decode("QUJD") == b"ABC"
+    finally:
+        listener.close()

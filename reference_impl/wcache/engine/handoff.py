@@ -26,12 +26,33 @@ class ChannelClosed(EOFError):
     pass
 
 
+class BadFrame(ValueError):
+    """A frame that breaks the protocol: too long, not a JSON object, or with fields of the wrong
+    kind. The supervisor kills the worker that sent it (engine/respawn.py): it trusts nothing else
+    that worker says."""
+
+
+def parse(body: bytes) -> dict:
+    try:
+        frame = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BadFrame(f"not JSON ({e})") from None
+    if not isinstance(frame, dict):
+        raise BadFrame(f"a JSON {type(frame).__name__}, not an object")
+    return frame
+
+
 def encode(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def decode(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
+def decode(text) -> bytes:
+    if not isinstance(text, str):
+        raise BadFrame(f"bytes as a JSON {type(text).__name__}, not base64 text")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, ValueError) as e:  # binascii.Error is a ValueError
+        raise BadFrame(f"bytes that are not base64 ({e})") from None
 
 
 def send(sock: socket.socket, frame: dict, fd: int | None = None) -> None:
@@ -61,8 +82,8 @@ def recv(sock: socket.socket) -> tuple[dict, int | None]:
         raise ChannelClosed()
     (length,) = struct.unpack(">I", _exact(sock, 4, head))
     if length > MAX_FRAME:
-        raise ValueError(f"a handoff frame of {length} bytes")
-    return json.loads(_exact(sock, length)), (fds[0] if fds else None)
+        raise BadFrame(f"a frame of {length} bytes (at most {MAX_FRAME})")
+    return parse(_exact(sock, length)), (fds[0] if fds else None)
 
 
 class FrameReader:
@@ -75,6 +96,8 @@ class FrameReader:
         self.eof = False
 
     def read(self) -> list[dict]:
+        if self.eof:
+            return []
         try:
             data = self.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError, TimeoutError):
@@ -87,8 +110,14 @@ class FrameReader:
         frames = []
         while len(self.buf) >= 4:
             (length,) = struct.unpack(">I", self.buf[:4])
-            if len(self.buf) < 4 + length:
-                break
-            frames.append(json.loads(bytes(self.buf[4:4 + length])))
+            try:
+                if length > MAX_FRAME:
+                    raise BadFrame(f"a frame of {length} bytes (at most {MAX_FRAME})")
+                if len(self.buf) < 4 + length:
+                    break
+                frames.append(parse(bytes(self.buf[4:4 + length])))
+            except BadFrame:
+                self.eof, self.buf = True, bytearray()  # nothing more is read from this peer
+                raise
             del self.buf[:4 + length]
         return frames

@@ -108,6 +108,11 @@ class Reception:
             self._hand(self.queue.popleft(), worker)
 
     def on_frame(self, worker, frame: dict) -> None:
+        """A worker's word about a connection it was handed; one about a connection it was not
+        handed (another worker's, or none) changes nothing. Raises handoff.BadFrame for a frame that
+        breaks the protocol."""
+        if type(frame.get("id")) is not int or frame.get("event") not in ("begun", "done"):
+            raise handoff.BadFrame(f"id {frame.get('id')!r}, event {frame.get('event')!r}")
         c = next((c for c in self.conns.values() if c.worker is worker and c.cid == frame.get("id")), None)
         if c is None:
             return
@@ -117,8 +122,11 @@ class Reception:
             if not frame.get("keep"):
                 self._close(c)
                 return
+            rest = handoff.decode(frame.get("rest", ""))
+            if len(rest) > self.limits["max_body"] + MAX_HEAD:
+                raise handoff.BadFrame(f"{len(rest)} bytes of a next request")
             c.state, c.worker, c.begun, c.since = READING, None, False, time.monotonic()
-            c.buf = bytearray(handoff.decode(frame.get("rest", "")))
+            c.buf = bytearray(rest)
             c.first_byte = time.monotonic() if c.buf else None
             if c.buf and request_complete(bytes(c.buf), self.limits["max_body"]):
                 self._dispatch(c)

@@ -80,6 +80,8 @@ SPARE_DIED = "Spare engine worker pid {pid} exited ({cause}); starting another"
 HUNG = ("Engine worker pid {pid} hung: no heartbeat for {seconds:.1f} s (--respawn-heartbeat-timeout {timeout:g}); "
         "killing it with SIGKILL")
 HUNG_CAUSE = "killed as hung, SIGKILL"
+BAD_FRAME = "Engine worker pid {pid} broke the handoff protocol ({error}); killing it with SIGKILL"
+BAD_FRAME_CAUSE = "killed for a malformed handoff frame, SIGKILL"
 # One line per respawn with the supervisor's stamps on CLOCK_MONOTONIC (system-wide on Linux, so a
 # bench that killed the worker can line them up with its own): bench_respawn.py splits the kill to
 # the next answer into phases with it.
@@ -255,8 +257,7 @@ class RespawnSupervisor:
                     for event in w.events():
                         self._on_event(w, event)
                 if w.channel in readable and not w.frames.eof:
-                    for frame in w.frames.read():
-                        self.reception.on_frame(w, frame)
+                    self._heed(w, w.frames.read)
             self.reception.readable(readable)
             self.reception.tick()
             self._check_heartbeat()
@@ -273,6 +274,19 @@ class RespawnSupervisor:
             if s is not None and s.ready_at is not None and time.monotonic() - s.ready_at >= STABLE_S:
                 self.deaths = 0  # it served long enough: the next death starts a new count
         return 0
+
+    def _heed(self, w, frames) -> None:
+        """Apply what worker ``w`` says (``frames()``). A worker that breaks the protocol (a bug, or
+        a process that is no longer the engine) is killed and replaced as after a crash: its
+        connections are handled as a dead worker's, and nothing more it sent is read."""
+        try:
+            for frame in frames():
+                self.reception.on_frame(w, frame)
+        except handoff.BadFrame as e:
+            if w.hung is None:
+                log.error(BAD_FRAME.format(pid=w.pid, error=e))
+                w.hung = BAD_FRAME_CAUSE
+                w.signal(signal.SIGKILL)
 
     def _check_heartbeat(self) -> None:
         """SIGKILL a ready serving worker that has been silent longer than the bound: SIGSTOPped,
@@ -319,8 +333,7 @@ class RespawnSupervisor:
                 self.spare = self._worker()
                 continue
             self.serving = None
-            for frame in w.drain():  # what it said before it died: which answers it had begun
-                self.reception.on_frame(w, frame)
+            self._heed(w, w.drain)  # what it said before it died: which answers it had begun
             again, cut, closed = self.reception.worker_died(
                 w, RespawnError.STREAM_CUT.format(pid=w.pid, cause=why))
             if w.ready_at is None and w.proc.returncode == 2:
@@ -377,8 +390,7 @@ class RespawnSupervisor:
                 continue
             for w in live:
                 if w.channel in ready:
-                    for frame in w.frames.read():
-                        self.reception.on_frame(w, frame)
+                    self._heed(w, w.frames.read)
             self.reception.readable(ready)
         for w in workers:
             try:
