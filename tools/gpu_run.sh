@@ -19,6 +19,9 @@
 #                                                    -> tensors-10k-vmm_fd.json and .log
 #   respawn          llama-8b checkpoint (240), then `wcache bench --respawn` with vmm_fd (300)
 #                                                    -> llama-8b-respawn.json and .log
+#   batching         the continuous-batching and respawn GPU tests alone (240)  -> gpu-batching.log
+#   stream           llama-8b checkpoint (240), then 64 streaming clients against one, bf16
+#                    (python -m wcache.bench.streaming --vs-one, 300) -> llama-8b-streaming.json and .log
 # tests + pages1 + pages2 together are `make test-gpu` (WCACHE_RUN_GPU_BLOCKS=1 pytest tests -m gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +89,12 @@ for s in "$@"; do
       checkpoint /tmp/l8 llama-8b || rc=1
       stage "bench llama-8b respawn" 300 llama-8b-respawn.log wcache bench --respawn --model /tmp/l8 --device cuda \
         --transport vmm_fd --repeat 3 --json --output "$OUT/llama-8b-respawn.json" || rc=1 ;;
+    batching) stage batching 240 gpu-batching.log python3 -m pytest -p no:cacheprovider -v \
+                tests/gpu/test_batching_gpu.py tests/gpu/test_respawn_gpu.py || rc=1 ;;
+    stream)
+      checkpoint /tmp/l8 llama-8b || rc=1
+      stage "stream llama-8b" 300 llama-8b-streaming.log python3 -m wcache.bench.streaming /tmp/l8 --clients 64 \
+        --max-tokens 128 --vs-one --device cuda --dtype bfloat16 --output "$OUT/llama-8b-streaming.json" || rc=1 ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
