@@ -62,11 +62,11 @@ def test_a_killed_worker_is_replaced_on_the_same_socket_and_no_client_is_refused
     sample = kill_under_load(p.port, first)
     assert sample["refused"] == 0, sample
     assert sample["death_to_next_200_s"] <= 1.5, sample
-    # The request in flight was handed again to the spare, unless its answer had begun to be
+    # The request in flight was handed again to the spare, unless its answer had been partly
     # written at the kill (a window of microseconds per answer): then, and only then, it is closed.
-    held = re.search(r"held (\d+) request\(s\) not yet begun .*?, (\d+) stream\(s\) ended with an error event, "
-                     r"(\d+) answer\(s\) cut", p.log())
-    cut = int(held.group(3)) if held else 0
+    held = re.search(r"held (\d+) request\(s\) not yet answered .*?, (\d+) answer\(s\) written whole, (\d+) "
+                     r"stream\(s\) ended with an error event, (\d+) answer\(s\) cut", p.log())
+    cut = int(held.group(4)) if held else 0
     # (an answer cut at the kill may still have reached the client whole: at most that many fail)
     assert len(sample["failed"]) <= cut <= 1, (sample, held and held.group(0))
     assert all(f["kind"] == "closed" and f["sent_before_kill"] for f in sample["failed"]), sample
@@ -140,7 +140,8 @@ def test_a_request_not_yet_answered_at_the_death_is_answered_by_the_spare(procs,
     again = idle.getresponse()
     assert again.status == 200 and again.read()
     idle.close()
-    p.wait_for_log("held 1 request(s) not yet begun (handed to the next worker), 0 stream(s)")
+    p.wait_for_log("held 1 request(s) not yet answered (handed to the next worker), 0 answer(s) written whole, "
+                   "0 stream(s)")
 
 
 def test_a_stream_begun_at_the_death_ends_with_an_error_event_naming_it(procs, tiny_model):
@@ -163,7 +164,8 @@ def test_a_stream_begun_at_the_death_ends_with_an_error_event_naming_it(procs, t
     assert error["code"] == 500 and error["type"] == "InternalServerError"
     conn.close()
     assert post(p.port) == 200
-    p.wait_for_log("0 request(s) not yet begun (handed to the next worker), 1 stream(s) ended with an error event")
+    p.wait_for_log("0 request(s) not yet answered (handed to the next worker), 0 answer(s) written whole, 1 stream(s) "
+                   "ended with an error event")
 
 
 @pytest.mark.slow

@@ -130,11 +130,14 @@ def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: floa
     time.sleep(after_s)
     results = client.stop()
     answered = [r[1] for r in results if r[0] >= killed and r[2] == 200]
+    # The request in flight at the kill, answered by the next worker: the first answer after the kill.
+    in_flight = [r[1] for r in results if r[0] < killed <= r[1] and r[2] == 200]
     failed = [{"kind": r[2], "sent_before_kill": r[0] < killed} for r in results if r[2] != 200]
     before = [r[1] - r[0] for r in results if r[1] < killed and r[2] == 200]
     return {"killed_at": killed, "next_200_at": min(answered) if answered else None,
             "death_to_next_200_s": round(min(answered) - killed, 4) if answered else None,
             "answer_before_kill_s": round(statistics.median(before), 4),
+            "in_flight_answered_s": round(min(in_flight) - killed, 4) if in_flight else None,
             "requests": len(results), "failed": failed,
             "refused": sum(f["kind"] == "refused" for f in failed)}
 
@@ -214,7 +217,10 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
             timeline = json.loads(list(_TIMELINE.finditer(s.text()))[i].group(1))
             killed, next_200 = sample.pop("killed_at"), sample.pop("next_200_at")
             sample.update(worker_death_to_ready_s=float(m.group(2)), cause=m.group(4),
-                          phases_s=phases(killed, timeline, next_200))
+                          phases_s=phases(killed, timeline, next_200),
+                          # Of death_seen: the kill to the worker's status pipe closing (the kernel at
+                          # its descriptors); the rest of its exit is still to come before the reap.
+                          exit_seen_s=round(timeline["exit_seen"] - killed, 6))
             kills.append(sample)
     finally:
         code = s.stop()
@@ -263,6 +269,7 @@ def run_bench_respawn(args) -> int:
         "death_to_next_200": statistics.median(k["death_to_next_200_s"] for k in kills),
         "worker_death_to_ready": statistics.median(k["worker_death_to_ready_s"] for k in kills),
         "answer_before_kill": statistics.median(k["answer_before_kill_s"] for k in kills),
+        "exit_seen": statistics.median(k["exit_seen_s"] for k in kills),
         "restart_from_disk": statistics.median(starts["safetensors"]),
         "restart_ipc_cache": statistics.median(starts["ipc_cache"]),
     }
@@ -279,6 +286,10 @@ def run_bench_respawn(args) -> int:
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "ratios": {"restart_from_disk_over_respawn": round(med["restart_from_disk"] / med["death_to_next_200"], 2),
                    "restart_ipc_cache_over_respawn": round(med["restart_ipc_cache"] / med["death_to_next_200"], 2)},
+        "in_flight_answered": {"kills": sum(k["in_flight_answered_s"] is not None for k in kills),
+                               "median_s": round(statistics.median(v), 4) if (v := [
+                                   k["in_flight_answered_s"] for k in kills if k["in_flight_answered_s"] is not None])
+                               else None},
         "failed_requests": sum(len(k["failed"]) for k in kills),
         "refused_connections": sum(k["refused"] for k in kills),
     }
@@ -300,6 +311,10 @@ def render_table(r: dict) -> str:
         "  the median kill, phase by phase: " + " + ".join(
             f"{name.replace('_', ' ')} {r['median_kill_phases_s'][name] * 1e3:.1f} ms" for name in r["phases"])
         + f" = {sum(r['median_kill_phases_s'].values()) * 1e3:.1f} ms",
+        f"  of death seen, the kill to the worker's status pipe closing: {m['exit_seen'] * 1e3:.1f} ms (median)",
+        "the request in flight at the kill, handed again to the next worker: " + (
+            f"answered {f['median_s'] * 1e3:.1f} ms after the kill (median; in flight at {f['kills']} of "
+            f"{r['repeat']} kills)" if (f := r["in_flight_answered"])["kills"] else "none was in flight at a kill"),
         f"fresh wcache serve to first 200: from disk {m['restart_from_disk']:.2f} s "
         f"({r['ratios']['restart_from_disk_over_respawn']:.1f}x), ipc_cache {m['restart_ipc_cache']:.2f} s "
         f"({r['ratios']['restart_ipc_cache_over_respawn']:.1f}x)",

@@ -24,6 +24,7 @@ from wcache.core.config import EngineConfig
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
+from wcache.engine.loop_thread import LoopThread
 from wcache.engine.runner import (
     OP_KEEPALIVE,
     OP_STOP,
@@ -112,8 +113,10 @@ class Engine:
             # The engine thread waits for the GPU once per step, and then for the GIL, which the HTTP
             # threads hold in turn: by default a waiting thread asks for it after 5 ms, a step's worth.
             sys.setswitchinterval(GIL_SWITCH_S)
-        self._loop_thread = threading.Thread(target=self._loop, name="wcache-engine", daemon=True)
-        self._loop_thread.start()
+        # A spare's warm-up ran on the runner's loop thread: the loop runs there too (loop_thread.py).
+        self._loop_thread = runner.thread or LoopThread()
+        runner.thread = None
+        self._loop_thread.run_last(self._loop)
 
     @classmethod
     def start(cls, cfg: EngineConfig, options: EngineOptions | None = None) -> Engine:

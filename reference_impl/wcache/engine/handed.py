@@ -11,12 +11,14 @@ answer leaves (so a death after that is never answered twice) and ``done`` after
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 
 from wcache.engine import handoff
 
 log = logging.getLogger("wcache.engine")
+_CONTENT_LENGTH = re.compile(rb"^content-length: *([0-9]{1,12})\r?$", re.M)
 
 
 class HandedConnections(threading.Thread):
@@ -85,9 +87,15 @@ def _handed_handler(base, desk: HandedConnections):
         def flush_headers(self) -> None:
             if not self.begun and getattr(self, "_headers_buffer", None):
                 self.begun = True
-                head = b"".join(self._headers_buffer).lower()
-                desk.report({"id": self.cid, "event": "begun", "stream": b"text/event-stream" in head,
-                             "chunked": b"transfer-encoding: chunked" in head})
+                head = b"".join(self._headers_buffer)
+                lower = head.lower()
+                length = _CONTENT_LENGTH.search(lower)
+                desk.report({"id": self.cid, "event": "begun", "stream": b"text/event-stream" in lower,
+                             "chunked": b"transfer-encoding: chunked" in lower,
+                             # the whole answer's bytes, where the head says: the supervisor can then tell
+                             # an answer written whole from one cut (reception.worker_died)
+                             "length": len(head) + int(length.group(1)) if length and self.command != "HEAD"
+                             else None})
             super().flush_headers()
 
     Handed.__name__ = f"Handed{base.__name__}"

@@ -2,8 +2,12 @@
 within the front door's limits, and hands the connection's descriptor with the bytes it read to
 the serving worker (engine/handoff.py), keeping its own duplicate until the worker says it has
 begun the answer. So a worker's death loses no request that it had not begun to answer: the
-supervisor hands it again to the promoted spare. An answer it had begun cannot be taken back: a
-stream ends with an SSE error event that names the crash, anything else with a clean close.
+supervisor hands it again to the promoted spare. Whether an answer had begun is the kernel's
+word, not the worker's: the supervisor reads how many bytes had been written to the connection
+since it handed it over (``written``), so a worker killed after it said ``begun`` but before its
+first byte left still has the request handed again, and a non-streamed answer that had been
+written whole is left to its client. An answer partly written cannot be taken back: a stream ends
+with an SSE error event that names the crash, anything else with a clean close.
 
 Why not a listening socket shared by the workers (as before): the kernel queues new connections
 for whoever accepts next, but a connection a worker has accepted dies with it, with the request it
@@ -21,10 +25,13 @@ in the supervisor's select loop. Imports nothing of torch or the engine.
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import logging
 import re
 import socket
+import struct
+import termios
 import time
 
 from wcache.engine import handoff
@@ -36,6 +43,23 @@ _LENGTH = re.compile(rb"^content-length:[ \t]*([0-9]{1,12})[ \t]*\r?$", re.I | r
 _CHUNKED = re.compile(rb"^transfer-encoding:", re.I | re.M)
 
 READING, QUEUED, HANDED = "reading", "queued", "handed"
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, a u64 at byte 120, since Linux 4.1.
+_BYTES_ACKED = struct.Struct("=Q")
+_BYTES_ACKED_AT = 120
+
+
+def written(sock: socket.socket) -> int | None:
+    """Bytes written to this TCP connection by any process since it opened: those the peer
+    acknowledged (TCP_INFO) plus those still in the send queue (SIOCOUTQ). None where the kernel
+    cannot say (not TCP)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _BYTES_ACKED_AT + _BYTES_ACKED.size)
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return None
+    if len(info) < _BYTES_ACKED_AT + _BYTES_ACKED.size:
+        return None
+    return _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0] + queued
 
 
 class Conn:
@@ -49,6 +73,8 @@ class Conn:
         self.cid = 0
         self.begun = False
         self.stream = self.chunked = False
+        self.written_at_hand: int | None = None  # written(sock) when it was handed to a worker
+        self.length: int | None = None  # a non-streamed answer's whole size, as its worker announced it
 
 
 def request_complete(buf: bytes, max_body: int) -> bool:
@@ -117,7 +143,11 @@ class Reception:
         if c is None:
             return
         if frame.get("event") == "begun":
+            length = frame.get("length")
+            if length is not None and (type(length) is not int or length < 0):
+                raise handoff.BadFrame(f"answer length {length!r}")
             c.begun, c.stream, c.chunked = True, bool(frame.get("stream")), bool(frame.get("chunked"))
+            c.length = length
         elif frame.get("event") == "done":
             if not frame.get("keep"):
                 self._close(c)
@@ -131,24 +161,31 @@ class Reception:
             if c.buf and request_complete(bytes(c.buf), self.limits["max_body"]):
                 self._dispatch(c)
 
-    def worker_died(self, worker, message: str) -> tuple[int, int, int]:
-        """Every connection ``worker`` held: handed again (not begun), a stream cut with an error
-        event, or closed. Returns how many of each."""
+    def worker_died(self, worker, message: str) -> tuple[int, int, int, int]:
+        """Every connection ``worker`` held: handed again (no byte of its answer written), left
+        with its client (a non-streamed answer written whole; the connection then closes, as the
+        dead worker may have read past the request), a stream cut with an error event, or closed.
+        Returns how many of each."""
         if self.serving is worker:
             self.serving = None
-        again = cut = closed = 0
+        again = whole = cut = closed = 0
         for c in [c for c in self.conns.values() if c.worker is worker]:
-            if not c.begun:
-                c.state, c.worker = QUEUED, None
+            now, then = written(c.sock), c.written_at_hand
+            sent = None if now is None or then is None else now - then
+            if not c.begun or sent == 0:
+                c.state, c.worker, c.begun = QUEUED, None, False
                 self.queue.appendleft(c)  # first in line for the next worker
                 again += 1
+            elif not c.stream and c.length is not None and sent == c.length:
+                self._close(c)
+                whole += 1
             elif c.stream:
                 self._end_stream(c, message)
                 cut += 1
             else:
                 self._close(c)
                 closed += 1
-        return again, cut, closed
+        return again, whole, cut, closed
 
     # -- connections -----------------------------------------------------------------------
     def _accept(self) -> None:
@@ -203,7 +240,8 @@ class Reception:
 
     def _hand(self, c: Conn, worker) -> None:
         self.next_id += 1
-        c.cid, c.worker, c.state, c.begun = self.next_id, worker, HANDED, False
+        c.cid, c.worker, c.state, c.begun, c.length = self.next_id, worker, HANDED, False, None
+        c.written_at_hand = written(c.sock)
         try:
             handoff.send(worker.channel, {"id": c.cid, "data": handoff.encode(bytes(c.buf))}, fd=c.sock.fileno())
         except OSError:

@@ -86,8 +86,9 @@ BAD_FRAME_CAUSE = "killed for a malformed handoff frame, SIGKILL"
 # bench that killed the worker can line them up with its own): bench_respawn.py splits the kill to
 # the next answer into phases with it.
 TIMELINE = "Respawn timeline: {json}"
-HELD = ("Engine worker pid {pid} held {again} request(s) not yet begun (handed to the next worker), {cut} "
-        "stream(s) ended with an error event, {closed} answer(s) cut with a closed connection")
+HELD = ("Engine worker pid {pid} held {again} request(s) not yet answered (handed to the next worker), {whole} "
+        "answer(s) written whole, {cut} stream(s) ended with an error event, {closed} answer(s) cut with a closed "
+        "connection")
 STOPPING = "Received {signal}, stopping the engine workers"
 STOPPED = "Respawn supervisor stopped"
 
@@ -143,6 +144,7 @@ class Worker:
         self.pid = self.proc.pid
         self.pending = b""
         self.eof = False
+        self.eof_at: float | None = None  # when its status pipe closed: the kernel was closing its descriptors
         self.ready_at: float | None = None
         self.heard_at = time.monotonic()  # the last bytes on its status pipe (a beat is an empty line)
         self.hung: str | None = None  # why it was killed as hung, if it was
@@ -159,7 +161,7 @@ class Worker:
         """The lines it wrote since the last call; EOF (it exited, or is exiting) sets ``eof``."""
         data = os.read(self.status, 1 << 16)
         if not data:
-            self.eof = True
+            self.eof, self.eof_at = True, time.monotonic()
             return []
         self.heard_at = time.monotonic()
         *lines, self.pending = (self.pending + data).split(b"\n")
@@ -202,7 +204,8 @@ class RespawnSupervisor:
         self.serving: Worker | None = None
         self.spare: Worker | None = None
         self.deaths = 0  # crashes in a row
-        self.death: tuple[float, int, str] | None = None  # (when, pid, cause) of the death being answered
+        # (reaped when, pid, cause, status pipe closed when) of the death being answered
+        self.death: tuple[float, int, str, float] | None = None
         self.promote_at: float | None = None
         self.spare_at: float | None = None  # when to start the next spare
         self.stopping = False
@@ -306,10 +309,10 @@ class RespawnSupervisor:
             return  # "spare" is logged by the spare itself
         w.ready_at = time.monotonic()
         if self.death is not None:
-            when, dead, why = self.death
+            when, dead, why, eof = self.death
             log.info(RESPAWNED.format(pid=w.pid, seconds=w.ready_at - when, dead=dead, cause=why))
             log.info(TIMELINE.format(json=json.dumps({
-                "dead_pid": dead, "pid": w.pid, "death_seen": round(when, 6),
+                "dead_pid": dead, "pid": w.pid, "exit_seen": round(eof, 6), "death_seen": round(when, 6),
                 "promoted": round(w.promoted_at or when, 6), "worker": event.get("phases", {}),
                 "ready_seen": round(w.ready_at, 6)})))
             self.death = None
@@ -334,7 +337,7 @@ class RespawnSupervisor:
                 continue
             self.serving = None
             self._heed(w, w.drain)  # what it said before it died: which answers it had begun
-            again, cut, closed = self.reception.worker_died(
+            again, whole, cut, closed = self.reception.worker_died(
                 w, RespawnError.STREAM_CUT.format(pid=w.pid, cause=why))
             if w.ready_at is None and w.proc.returncode == 2:
                 log.error(RespawnError.CONFIG.format(pid=w.pid))
@@ -342,7 +345,7 @@ class RespawnSupervisor:
             if self._count_crash(w, why):
                 return 1
             now = time.monotonic()
-            self.death = (now, w.pid, why)
+            self.death = (now, w.pid, why, w.eof_at or now)
             delay = 0.0 if self.deaths <= 1 else min(BACKOFF_S * 2 ** (self.deaths - 2), BACKOFF_MAX_S)
             self.promote_at = now + delay
             who = f"spare pid {self.spare.pid}" if self.spare else "a new worker (no spare yet)"
@@ -350,8 +353,8 @@ class RespawnSupervisor:
             if delay:
                 then += f" in {delay:g} s (crash {self.deaths} in a row; at {MAX_DEATHS} --respawn gives up)"
             log.warning(DIED.format(pid=w.pid, cause=why, then=then))
-            if again or cut or closed:
-                log.warning(HELD.format(pid=w.pid, again=again, cut=cut, closed=closed))
+            if again or whole or cut or closed:
+                log.warning(HELD.format(pid=w.pid, again=again, whole=whole, cut=cut, closed=closed))
         return None
 
     def _count_crash(self, w: Worker, why: str) -> bool:

@@ -49,6 +49,7 @@ from wcache.core.config import EngineConfig, Ranks
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.speculative import CACHED_DRAFT_METHODS
 from wcache.engine import gpu_steps, memory
+from wcache.engine.loop_thread import LoopThread
 from wcache.engine.gpu_steps import GpuSteps
 from wcache.engine.loading.base import LoadedWeights
 from wcache.engine.loading.config import LoaderConfig
@@ -134,6 +135,7 @@ class RankRunner:
         self.spare_reserve = 0  # --respawn: device bytes the waiting spare holds (memory.MemoryPlan)
         self.graph_pool: int | None = None  # device bytes the decode graphs hold (memory.MemoryPlan)
         self.trace: list | None = None  # set to a list to record every forward pass's logits (tests)
+        self.thread: LoopThread | None = None  # a spare's warm-up, then the engine loop (loop_thread.py)
 
     @classmethod
     def from_spec(cls, spec: dict) -> RankRunner:
@@ -180,11 +182,17 @@ class RankRunner:
             self.close()
             raise
 
-    @torch.inference_mode()
     def warm_up(self) -> None:
         """A prefill of a few tokens and one decode step on every model, on a throw-away cache: the
         first forward loads kernels, libraries and workspaces (cuBLAS: ~0.2 s and ~130 MiB on an
-        H200), which a spare pays while it waits instead of in its first answer."""
+        H200), which a spare pays while it waits instead of in its first answer. On the thread that
+        will run the engine loop, whose per-thread library state it warms too (loop_thread.py)."""
+        if self.thread is None:
+            self.thread = LoopThread()
+        self.thread.call(self._warm_up)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
         for m in (self.model, self.draft):
             if m is None:
                 continue
