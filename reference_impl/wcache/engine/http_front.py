@@ -473,8 +473,20 @@ class FrontDoorHandler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
+        self._answer_body = body if self.command != "HEAD" else b""
+        self.end_headers()  # the head and the body in one write (flush_headers)
+        if self._answer_body:  # no head was flushed (HTTP/0.9 has none)
+            body, self._answer_body = self._answer_body, b""
+            self.wfile.write(body)
+
+    def flush_headers(self) -> None:
+        """The head, and a whole answer's body with it: one write, so a --respawn worker that dies
+        around it has written either nothing of the answer or all of it (engine/reception.py)."""
+        body, self._answer_body = getattr(self, "_answer_body", b""), b""
+        if getattr(self, "_headers_buffer", None):
+            self.wfile.write(b"".join(self._headers_buffer) + body)
+            self._headers_buffer = []
+        elif body:
             self.wfile.write(body)
 
     def log_message(self, fmt, *args):  # the standard library's own log lines: quietly, at DEBUG
