@@ -112,3 +112,20 @@ def test_copy_mode_releases_the_daemon_and_sigterm_removes_the_socket(procs, tin
     with pytest.raises(OSError) as err:
         http("GET", f"http://127.0.0.1:{port}/health", timeout=2)
     assert isinstance(err.value.reason, ConnectionRefusedError)
+
+
+def test_a_rank_that_does_not_stop_is_killed_and_its_socket_removed(procs, tiny_model, wcache_env):
+    """A rank stuck on stop (here SIGSTOPped: the SIGTERM stays pending) never reaches its own
+    cleanup. The launcher kills it after --weight-cache-stop-timeout and removes the socket, since
+    nothing listens there; the lock file stays, as after any daemon."""
+    daemon = procs.preload(tiny_model, "--weight-cache-stop-timeout", "1.5")
+    sock = default_socket(wcache_env)
+    [rank] = rank_pids(daemon.pid)
+    os.kill(rank, signal.SIGSTOP)
+    assert daemon.stop(signal.SIGTERM) == 0
+    log = daemon.log()
+    assert "Rank 0 did not stop within 2 s of SIGTERM; killed it (SIGKILL)" in log
+    assert f"Removed killed rank 0's socket {sock}: nothing listens there" in log
+    assert not os.path.lexists(sock)
+    again = procs.preload(tiny_model)  # the device is free: the next daemon finds no stale socket
+    assert "Removing stale socket" not in again.log()

@@ -245,6 +245,10 @@ def add_preload_args(p) -> None:
                    help="if a running daemon owns this device, wait for it to stop and take over then, with "
                         "Python and torch already imported; without it such a start exits 2 "
                         "(default: off; see docs/lifecycle.md, A standby daemon)")
+    g.add_argument("--weight-cache-stop-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, how long each rank may take to stop before SIGKILL; the launcher "
+                        "then removes a killed rank's socket if nothing listens there (keep it below Kubernetes' "
+                        "terminationGracePeriodSeconds)")
     g.add_argument("--weight-cache-rehash", default=False, action="store_true",
                    help="hash every checkpoint file on this start instead of reusing the digests remembered "
                         "by file identity (for a change that no file time shows, e.g. one written below the filesystem)")

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.model.quant import refuse_for_cache
@@ -35,12 +36,14 @@ from wcache.errors import (
     STANDBY_STOPPED,
     STANDING_BY,
     TAKING_OVER,
+    DaemonLockError,
     PreloadConfigError,
     SeedConfigError,
 )
 from wcache.wire.sockets import (
     DaemonLock,
     claim_socket,
+    clear_stale_socket,
     prepare_socket_dir,
     socket_path_for,
     socket_path_of,
@@ -50,6 +53,9 @@ log = logging.getLogger("wcache.preload")
 
 STARTUP_FAILED = "Weight cache daemon rank(s) exited during startup (exitcodes={codes})"
 READY = "Weight cache daemon READY"
+STOP_TIMEOUT_INVALID = "--weight-cache-stop-timeout must be a positive number of seconds, not {value}"
+RANK_KILLED = "Rank {rank} did not stop within {grace:.0f} s of SIGTERM; killed it (SIGKILL)"
+DEAD_SOCKET_REMOVED = "Removed killed rank {rank}'s socket {path}: nothing listens there"
 HEALTH_PORT_TAKEOVER_S = 5.0  # a standby's wait for the stopped daemon's health port to close
 
 
@@ -175,6 +181,8 @@ def run_preload(args) -> int:
     if args.load_format == "ipc_cache":
         raise PreloadConfigError("--load-format ipc_cache cannot be used with `wcache preload`: "
                                  "the daemon itself must load the weights from disk")
+    if not args.weight_cache_stop_timeout > 0:  # also NaN
+        raise PreloadConfigError(STOP_TIMEOUT_INVALID.format(value=args.weight_cache_stop_timeout))
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
     refuse_for_cache(cfg.quant)
     plan = plan_local_ranks(args, cfg)
@@ -278,7 +286,7 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
                     metrics.rank_exited(r.proc.pid)
         return 0
     finally:
-        _stop_all(ranks)
+        _stop_all(ranks, args.weight_cache_stop_timeout)
         if server is not None:
             server.shutdown()
             server.server_close()
@@ -308,7 +316,7 @@ def _await_ready(ranks: list[RankProcess], stop: threading.Event) -> int | None:
     return None
 
 
-def _stop_all(ranks: list[RankProcess], grace_s: float = 30.0) -> None:
+def _stop_all(ranks: list[RankProcess], grace_s: float) -> None:
     for r in ranks:
         if r.proc.poll() is None:
             r.proc.terminate()
@@ -319,4 +327,23 @@ def _stop_all(ranks: list[RankProcess], grace_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             r.proc.kill()
             r.proc.wait()
+            log.error(RANK_KILLED.format(rank=r.label, grace=grace_s))
+            if r.info is not None:
+                _remove_dead_socket(r.label, Path(r.info["socket"]))
         r.ready_pipe.close()
+
+
+def _remove_dead_socket(label, path: Path) -> None:
+    """A rank killed on stop never reached its own cleanup: remove its socket, so that the next
+    engine finds no daemon instead of a dead one. Only under the socket's lock, taken without
+    waiting (a standby may own the device already, and with it the path), and only where connecting
+    is refused (wire/sockets.py, clear_stale_socket); anything else leaves the file alone."""
+    lock = DaemonLock(path)
+    try:
+        lock.acquire()
+        if clear_stale_socket(path):
+            log.warning(DEAD_SOCKET_REMOVED.format(rank=label, path=path))
+    except DaemonLockError as e:
+        log.warning("Left rank %s's socket %s in place: %s", label, path, e)
+    finally:
+        lock.release()
