@@ -29,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from wcache.model.quant import refuse_for_cache
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
+from wcache.core.stop_flag import StopFlag
 from wcache.daemon import prewarm
 from wcache.daemon.metrics import LauncherMetrics
 from wcache.daemon.seed import preload_seed_settings
@@ -192,7 +193,7 @@ def run_preload(args) -> int:
     seeds = seeding["seeds"]
     if seeds is not None and len(seeds) != len(planned):
         raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
-    stop = threading.Event()
+    stop = StopFlag()  # set by signal handlers: no lock (core/stop_flag.py)
     if getattr(args, "weight_cache_standby", False):
         locks = _stand_by(args, cfg, plan, planned, stop)
         if locks is None:
@@ -210,7 +211,7 @@ class _StandbyStopped(Exception):
     pass
 
 
-def _stand_by(args, cfg, plan, planned, stop: threading.Event) -> list[DaemonLock] | None:
+def _stand_by(args, cfg, plan, planned, stop: StopFlag) -> list[DaemonLock] | None:
     """The locks of every rank, waiting for a running daemon to stop if one holds them; None when a
     stop signal came first. While it waits, every rank's interpreter has imported (prewarm.py) and
     nothing else has happened: no CUDA context, no weight read, no record, no socket, no port."""
@@ -243,7 +244,7 @@ def _stand_by(args, cfg, plan, planned, stop: threading.Event) -> list[DaemonLoc
     return locks
 
 
-def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) -> int:
+def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
     """Start a rank per lock (handing each its lock), report readiness, and stop them all at the end."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.set())
@@ -293,7 +294,7 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: threading.Event) 
         metrics.close()
 
 
-def _await_ready(ranks: list[RankProcess], stop: threading.Event) -> int | None:
+def _await_ready(ranks: list[RankProcess], stop: StopFlag) -> int | None:
     """None when every rank serves (or a stop was asked); otherwise the exit code to leave with."""
     sel = selectors.DefaultSelector()
     for r in ranks:

@@ -41,6 +41,7 @@ from wcache.model.quant import refuse_for_cache
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
+from wcache.core.stop_flag import StopFlag
 from wcache.errors import (
     DAEMON_ERRORS,
     REASONS,
@@ -126,7 +127,7 @@ class RankDaemon:
         ranks = self.cfg.ranks
         self.rank = ranks.global_rank
         self.device_id = device_identity(self.cfg.device, ranks.local_rank)
-        self.stop = threading.Event()
+        self.stop = StopFlag()  # set by the SIGTERM handler: no lock (core/stop_flag.py)
         self.lock = threading.Lock()
         self.released = False
         self.leases: set[int] = set()  # ids of connections holding a zero_copy mapping

@@ -19,9 +19,9 @@ own stop (the manifests in examples/ say 60 for 5 + 30).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
+from wcache.core.stop_flag import StopFlag
 from wcache.errors import DRAIN_CUT, DRAIN_STARTED, DRAINED, DRAINING
 
 log = logging.getLogger("wcache.server")
@@ -32,7 +32,7 @@ CUT_GRACE_S = 5.0  # after the deadline: time for the cut requests to write thei
 
 
 def drain(server, signal_name: str, delay: float = SHUTDOWN_DELAY_S, timeout: float = SHUTDOWN_TIMEOUT_S,
-          again: threading.Event | None = None) -> None:
+          again: StopFlag | None = None) -> None:
     """Run steps 1 to 4 on ``server`` (an EngineServer); a second signal (``again``) skips the delay."""
     server.draining = True  # step 1: /health 503
     log.info(DRAIN_STARTED.format(signal=signal_name, delay=delay, timeout=timeout))

@@ -28,6 +28,7 @@ import threading
 import time
 from urllib.parse import unquote
 
+from wcache.core.stop_flag import StopFlag
 from wcache.engine import chat, fanout, http_front
 from wcache.engine import openai_api as api
 from wcache.engine.served import ServedModel
@@ -394,7 +395,7 @@ def run_until_signal(server: EngineServer, on_stop=None) -> None:
     run ``on_stop``. SIGTERM (Kubernetes, docker stop) keeps accepting for ``shutdown_delay`` first;
     SIGINT (Ctrl-C at a terminal, where no load balancer routes) and a second signal skip the rest
     of that delay; the in-flight requests still get their ``shutdown_timeout``."""
-    stop, again = threading.Event(), threading.Event()
+    stop, again = StopFlag(), StopFlag()  # set in the handler: no lock (core/stop_flag.py)
     first: list[int] = []
 
     def handle(signum, _frame):
@@ -419,3 +420,5 @@ def run_until_signal(server: EngineServer, on_stop=None) -> None:
             on_stop()
         for s, h in old.items():
             signal.signal(s, h)
+        stop.close()  # the handler that sets them is gone
+        again.close()
