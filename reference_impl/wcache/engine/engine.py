@@ -337,20 +337,21 @@ def rank_specs(args, loader_config):
 
 
 def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None,
-              prepared: RankRunner | None = None) -> int:
+              prepared: RankRunner | None = None, served=None) -> int:
     """``wcache serve``: every world size, one path.
 
     A ``--respawn`` worker (engine/spare.py) passes the listening socket its supervisor bound
     (``sock``); a promoted spare leaves clients in the backlog until it is ready
     (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``. A hot
-    spare passes the rank it ``prepare``d while waiting (``prepared``): only its KV cache is left to do.
+    spare passes the rank it ``prepare``d while waiting (``prepared``), and its ``ServedModel`` (names,
+    chat template, API key; 3-4 ms on a 2-core CPU): only its KV cache is left to do.
     """
     from wcache.engine.served import ServedModel
     from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.supervisor import Supervisor
 
     plan, specs = rank_specs(args, loader_config)
-    served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
+    served = served or ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
     runner = prepared or RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,

@@ -42,10 +42,16 @@ from wcache.engine.heartbeat import Heartbeat  # noqa: E402
 from wcache.engine.respawn import BEAT_S, HEARTBEAT_TIMEOUT_S, SPARE_ENV  # noqa: E402
 from wcache.engine.memory import format_bytes  # noqa: E402
 from wcache.engine.runner import RankRunner, die_with_parent  # noqa: E402
+from wcache.engine.served import ServedModel  # noqa: E402
 from wcache.engine.server import EngineServer  # noqa: E402,F401
 from wcache.engine.supervisor import Supervisor  # noqa: E402,F401
 from wcache.errors import UserError  # noqa: E402
 from wcache.wire.transports import auto  # noqa: E402,F401
+# The /metrics registry is built when the engine is ready (engine/metrics.py); importing its library
+# then cost a promoted spare's first answer ~10 ms. The supervisor set PROMETHEUS_MULTIPROC_DIR in
+# this process's environment at spawn, which is all prometheus_client reads at import.
+import prometheus_client.core  # noqa: E402,F401
+import prometheus_client.multiprocess  # noqa: E402,F401
 
 log = logging.getLogger("wcache.engine")
 
@@ -153,6 +159,10 @@ def main() -> int:
     except UserError as e:  # a configuration error: the promotion reports it as a plain start would
         runner, fields = None, {"warm": False, "cold": "prepare failed"}
         log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=e))
+    try:
+        served = ServedModel.from_args(args)  # read and compiled while waiting, not after the promotion
+    except UserError:
+        served = None  # the promotion builds it again and stops with its error, as a plain start would
     tell(status, event="spare", pid=os.getpid(), import_s=round(seconds, 3), cuda_initialized=cuda, **fields)
     line = control.readline()  # blocks until promoted; EOF: the supervisor stops
     if not line:
@@ -179,7 +189,7 @@ def main() -> int:
     try:
         return run_serve(args, parse_loader_config(args.model_loader_extra_config), sock=sock,
                          answer_while_loading=order["answer_while_loading"], on_ready=on_ready,
-                         prepared=runner)
+                         prepared=runner, served=served)
     except UserError as e:
         log.error("%s", e)
         return 2
