@@ -117,6 +117,22 @@ def test_generate_is_greedy_over_the_reference(tiny_model):
     assert out == ids[len(PROMPT):]
 
 
+
+@pytest.mark.parametrize("length", [5, 33, 300])  # 300: several of the CPU kernel's query blocks
+def test_prompts_of_one_length_in_one_pass_give_each_row_its_logits_alone(tiny_model, length):
+    """CPU prompts of one length attend in one call (llama.Attention, from position 0): each row's
+    logits must equal, bit for bit, the same prompt run alone, or a batch would change a request's
+    tokens. In bfloat16, the presets' dtype; float32's matrix products round differently for more
+    rows, so a float32 CPU engine runs each prompt alone (engine.py, row_by_row)."""
+    gen = torch.Generator().manual_seed(length)
+    prompts = torch.randint(0, 500, (6, length), generator=gen)
+    model, _ = build(tiny_model, "bfloat16")
+    cache = model.new_cache(length, num_seqs=7)
+    together = model(prompts, [0] * 6, cache, slots=[1, 2, 3, 4, 5, 6])
+    alone = torch.cat([model(p, [0], cache, slots=[0]) for p in prompts])
+    assert together.shape == alone.shape == (6, 512)
+    assert torch.equal(together, alone)
+
 # -- tensor-parallel slicing -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [1, 2, 4])

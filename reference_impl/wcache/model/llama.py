@@ -151,7 +151,16 @@ class Attention(nn.Module):
                     q[rows].transpose(1, 2), cache_k[slots, :length].transpose(1, 2),
                     cache_v[slots, :length].transpose(1, 2), attn_mask=batch.mask[rows, :, :, :length],
                     enable_gqa=True)  # (G, heads, 1, head_dim)
-        elif batch.rows is not None:  # CPU, a prompt (or a verification) of one sequence: its own keys
+        elif batch.rows is not None and batch.from_zero:  # CPU, prompts of one length from position 0
+            # Their keys are their own new ones: no padding, so the rows attend in one call. The CPU
+            # kernel splits its work by query and key length, not by batch, so a row's sums run as
+            # they do alone (tests/integration/test_batching.py); a lone prompt takes this path too.
+            cache_k[batch.slot_index, batch.positions] = k  # (B, 1) slots x (B, T) positions
+            cache_v[batch.slot_index, batch.positions] = v
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=True)  # (B, heads, T, head_dim)
+        elif batch.rows is not None:  # CPU, a verification of draft tokens, row by row: its own keys
             outs = []
             for b, (slot, start) in enumerate(batch.rows):
                 end = start + T
@@ -378,6 +387,8 @@ class Batch:
         self.from_zero = T > 1 and not any(starts)  # prompts: every row's keys are its own new ones
         if torch.device(device).type == "cpu":
             self.rows = list(zip(slots, starts))
+            if self.from_zero:
+                self.slot_index = torch.tensor(slots, device=device)[:, None]  # (B, 1)
             if T == 1:
                 # A decoding row's keys are padded to a length that depends on that row alone (its end
                 # rounded up to PAD, at most the slot), and the rows of one padded length attend in one call: the CPU
