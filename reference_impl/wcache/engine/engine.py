@@ -89,8 +89,9 @@ class Engine:
     """Engine rank 0: continuous batching over every rank (scheduler.py decides each step).
 
     HTTP threads call ``generate``, which queues the request and then drains its outbox; one engine
-    thread (``_loop``) runs the steps: the prompts of requests that join (one pass each), then one
-    decode pass for every running sequence, sampling each row with its own sampler. The loop never
+    thread (``_loop``) runs the steps: the prompts of requests that join (on CPU one pass per prompt
+    length), then one decode pass for every sequence that was already running, sampling each row
+    with its own sampler. The loop never
     writes to a client: tokens go to per-request outboxes, and a request more than
     ``STREAM_BUFFER_TOKENS`` behind is ended (``overflow``) so its slot serves others.
     """
