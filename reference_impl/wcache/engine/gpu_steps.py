@@ -64,7 +64,7 @@ class GpuSteps:
         self._host = torch.zeros(width, dtype=torch.long).pin_memory()
         self._inputs = torch.zeros(width, dtype=torch.long, device=device)
         self.tokens, self.positions = self._inputs[: self.rows], self._inputs[self.rows : 2 * self.rows]
-        self.prompt, self.prompt_slot, self.prompt_last = (
+        self.prompt_ids, self.prompt_slot, self.prompt_last = (
             self._inputs[: self.prompt_max], self._inputs[self.prompt_max : self.prompt_max + 1],
             self._inputs[self.prompt_max + 1 : self.prompt_max + 2])
         self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=device)
@@ -128,7 +128,7 @@ class GpuSteps:
             return None
         length = bucket(len(tokens), PROMPT_GRAPH_MIN, self.prompt_max)
         self._stage(tokens + [0] * (self.prompt_max - len(tokens)) + [slot, len(tokens) - 1])
-        self._run(("prompt", length), lambda: self.model(self.prompt[:length], 0, self.cache, slots=self.prompt_slot,
+        self._run(("prompt", length), lambda: self.model(self.prompt_ids[:length], 0, self.cache, slots=self.prompt_slot,
                                                          last=self.prompt_last), self.prompt_logits)
         return self.prompt_logits[None].clone()
 
