@@ -176,7 +176,11 @@ class Attention(nn.Module):
         elif batch.from_zero:  # GPU, prompts of one length from position 0: causal, no mask (flash)
             cache_k[batch.slot_index, batch.positions] = k
             cache_v[batch.slot_index, batch.positions] = v
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # cuDNN's would build a plan for every new length
+            # cuDNN's kernel would build a plan for every new length. Flash runs 16-bit types only: a
+            # float32 engine takes the memory-efficient kernel (or the math one where that cannot run).
+            kernels = ([SDPBackend.FLASH_ATTENTION] if q.dtype in (torch.float16, torch.bfloat16)
+                       else [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+            with sdpa_kernel(kernels):
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
         else:  # GPU, a verification of draft tokens (or a decode step of a multi-rank engine)
