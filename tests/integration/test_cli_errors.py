@@ -16,6 +16,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from wcache.daemon.launcher import STOP_TIMEOUT_INVALID
 from procs import free_port
 from wcache import cli
 from wcache.errors import (
@@ -74,6 +75,12 @@ def test_a_quantization_without_pre_processed_weights_is_refused(processes, name
 def test_preload_refuses_load_format_ipc_cache(processes):
     check(*processes["preload_ipc_cache"], "--load-format ipc_cache cannot be used with `wcache preload`: "
                                            "the daemon itself must load the weights from disk")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_preload_refuses_a_stop_timeout_that_is_not_positive(main, tiny_model, value):
+    check(*main(*preload(tiny_model, "--weight-cache-stop-timeout", value)),
+          STOP_TIMEOUT_INVALID.format(value=float(value)))
 
 
 def test_preload_refuses_a_symlinked_socket_dir(main, tiny_model, tmp_path):
