@@ -17,7 +17,7 @@
 #   vmm, ipc         the same, one transport each (when bench8b would not fit one call)
 #   bench10k         tensors-10k checkpoint (240), then `wcache bench` with vmm_fd (240)
 #                                                    -> tensors-10k-vmm_fd.json and .log
-#   respawn          llama-8b checkpoint (240), then `wcache bench --respawn` with vmm_fd (300)
+#   respawn          llama-8b checkpoint (240), then `wcache bench --respawn --repeat 10` (10 kills) with vmm_fd (420)
 #                                                    -> llama-8b-respawn.json and .log
 #   batching         the continuous-batching and respawn GPU tests alone (240)  -> gpu-batching.log
 #   stream           llama-8b checkpoint (240), then 64 streaming clients against one, bf16
@@ -87,8 +87,8 @@ for s in "$@"; do
       bench /tmp/t10k tensors-10k vmm_fd 240 || rc=1 ;;
     respawn)
       checkpoint /tmp/l8 llama-8b || rc=1
-      stage "bench llama-8b respawn" 300 llama-8b-respawn.log wcache bench --respawn --model /tmp/l8 --device cuda \
-        --transport vmm_fd --repeat 3 --json --output "$OUT/llama-8b-respawn.json" || rc=1 ;;
+      stage "bench llama-8b respawn" 420 llama-8b-respawn.log wcache bench --respawn --model /tmp/l8 --device cuda \
+        --transport vmm_fd --repeat 10 --json --output "$OUT/llama-8b-respawn.json" || rc=1 ;;
     batching) stage batching 240 gpu-batching.log python3 -m pytest -p no:cacheprovider -v \
                 tests/gpu/test_batching_gpu.py tests/gpu/test_respawn_gpu.py || rc=1 ;;
     stream)
