@@ -82,3 +82,25 @@ def test_enforce_eager_gives_the_tokens_of_the_graphs(tiny, graphed):
         assert not eager.runner.gpu._captured
     finally:
         eager.close()
+
+
+def test_a_request_that_joins_a_decoding_batch_keeps_its_tokens(graphed):
+    # The joining request's prompt runs in a step whose decode tile covers its slot while it is not
+    # decoding yet: that idle row must not write over the prompt's keys (it did at b43d6f0).
+    import threading
+
+    long_one, short_one = ("A long answer", 200, SamplingParams(), ()), ("A short one", 24, SamplingParams(), ())
+    alone = [graphed.generate(*long_one), graphed.generate(*short_one)]
+    decoding, out = threading.Event(), {}
+
+    def run_long():
+        out["long"] = graphed.generate(*long_one, on_text=lambda piece: decoding.set() or False)
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    assert decoding.wait(60)
+    out["short"] = graphed.generate(*short_one)
+    joined_while_decoding = "long" not in out  # the long one was still running when the short one ended
+    t.join(120)
+    assert joined_while_decoding, "the short request did not join while the long one decoded"
+    assert tokens_of([out["long"], out["short"]]) == tokens_of(alone)

@@ -105,19 +105,23 @@ def test_zero_copy_does_not_allocate_the_weights(gpu, small_model, transport):
     gpu.preload(small_model)
     # Earlier tests in this process leave blocks in torch's caching allocator: a load that reused
     # them would look free. Each measurement starts with the cache given back to the driver.
+    # Two measures: the device's free memory, and the tensors this process's allocator holds. The
+    # first misses an allocation the allocator serves from blocks it kept (empty_cache cannot give
+    # back a live CUDA graph's pool, as an earlier module's engine may leave: at 14e8735 on an H100 a
+    # disk load "used" 16 MiB of free memory for 469 MiB of weights); the second sees every tensor.
     torch.cuda.empty_cache()
-    before = _free_bytes()
+    before, allocated = _free_bytes(), torch.cuda.memory_allocated()
     weights, report, lease = load_weights(cfg, "ipc_cache", LoaderConfig())
-    used_zero_copy = before - _free_bytes()
+    used_zero_copy = max(before - _free_bytes(), torch.cuda.memory_allocated() - allocated)
     assert report.source == "the weight cache (zero_copy)"
     assert report.transport == transport  # one name per kind: the flag's value is the arena's kind
     size = report.nbytes
     lease.close()
     del weights
     torch.cuda.empty_cache()
-    before = _free_bytes()
+    before, allocated = _free_bytes(), torch.cuda.memory_allocated()
     weights, _, _lease = load_weights(cfg, "safetensors")
-    used_disk = before - _free_bytes()
+    used_disk = max(before - _free_bytes(), torch.cuda.memory_allocated() - allocated)
     del weights
     torch.cuda.empty_cache()
     print(f"weights {size/2**20:.0f} MiB: device memory used by zero_copy {used_zero_copy/2**20:.0f} MiB, "
@@ -143,17 +147,22 @@ def test_copy_mode_release_returns_the_daemons_memory(gpu, small_model, wcache_e
     first = gpu.serve(small_model, "--load-format", "ipc_cache")
     first.stop()
     before_copy, reserved = _settled_free_bytes(), torch.cuda.memory_reserved()
+    allocated = torch.cuda.memory_allocated()
     loaded = load_weights(cfg, "ipc_cache", LoaderConfig(mode="copy"))
     loaded.settle()  # the release runs in the background, off the engine's way to serving
     weights, report, lease = loaded
     assert report.source == "the weight cache (copy)"
     after_copy = _settled_free_bytes()
-    ours = torch.cuda.memory_reserved() - reserved  # this process's copy
+    # What the copy took from the device (the allocator may serve it from blocks it kept, which an
+    # earlier module's live CUDA graph pool can leave), and the tensors it holds.
+    ours = torch.cuda.memory_reserved() - reserved
+    copy_held = torch.cuda.memory_allocated() - allocated
     freed_by_daemon = after_copy - before_copy + ours
     print(json.dumps({"daemon_held_mib": round(held / 2**20), "copy_mib": round(report.nbytes / 2**20),
-                      "our_copy_reserved_mib": round(ours / 2**20), "freed_by_daemon_mib": round(freed_by_daemon / 2**20)}))
+                      "our_copy_reserved_mib": round(ours / 2**20), "our_copy_allocated_mib": round(copy_held / 2**20),
+                      "freed_by_daemon_mib": round(freed_by_daemon / 2**20)}))
     assert held >= report.nbytes, (held, report.nbytes)  # the daemon holds at least the weights it serves
-    assert ours >= report.nbytes
+    assert copy_held >= report.nbytes
     assert freed_by_daemon > 0.9 * report.nbytes, gpu.started[0].log()[-3000:]
     del weights
     torch.cuda.empty_cache()

@@ -94,10 +94,13 @@ class GpuSteps:
             by_tile.setdefault(self.first_slot(slot), []).append(i)
         parts, order = [], []
         for first, mine in by_tile.items():
-            # Every running slot the tile covers gets its real token, its own or not: a slot left idle
-            # would write its position 0 over the sequence's first key.
+            # Every running slot the tile covers gets its real token, its own or not. An idle row writes
+            # its slot's last position, which no sequence reads before writing it itself: a sequence
+            # whose prompt ran earlier in this step (engine.py: it decodes from the next one) keeps
+            # its keys. (Position 0, at b43d6f0, overwrote that prompt's first key: a request's tokens
+            # then depended on when it joined, and 1 of 64 llama-8b streams matched on an H100.)
             inside = [i for i, slot in enumerate(slots) if first <= slot < first + self.rows]
-            toks, pos = [0] * self.rows, [0] * self.rows
+            toks, pos = [0] * self.rows, [self.slot_len - 1] * self.rows
             for i in inside:
                 toks[slots[i] - first], pos[slots[i] - first] = tokens[i], starts[i]
             self._stage(toks + pos)

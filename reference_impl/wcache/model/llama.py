@@ -336,7 +336,8 @@ class Llama(nn.Module):
     @torch.inference_mode()
     def decode_tile(self, tokens: torch.Tensor, positions: torch.Tensor, tile: Tile, cache) -> torch.Tensor:
         """One decode step of every slot of ``tile`` (a single-stage model on a GPU): ``tokens`` and
-        ``positions`` (rows,) are each slot's last token and its position (any value for an idle slot).
+        ``positions`` (rows,) are each slot's last token and its position (for an idle slot, one that no
+        sequence reads before writing it: see Tile).
         Out: logits (rows, vocab), float32. Only tensor operations on fixed shapes: a CUDA graph can
         hold it (engine/gpu_steps.py)."""
         s = self.shape
@@ -351,8 +352,8 @@ class Llama(nn.Module):
 class Tile:
     """GPU decoding: ``rows`` consecutive KV cache slots from ``first``, one row each, attending over
     keys ``0..length-1`` of their own slot (a view of the cache, no copy), the keys past each row's
-    position masked. Rows are slots, so an idle slot is a row too (it writes its slot's position 0,
-    which a prompt overwrites before anything reads it). Every matrix product of a decode step then
+    position masked. Rows are slots, so an idle slot is a row too (it writes its slot's last position,
+    which every sequence writes itself before reading it). Every matrix product of a decode step then
     has the same number of rows however many sequences run, so a row's result never depends on the
     others: the same tokens alone and in a batch (the kernels are chosen by shape)."""
 
