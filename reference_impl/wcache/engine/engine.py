@@ -398,6 +398,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         server = EngineServer.from_args(args, engine, sock, served)
         served.log_found()
     server.engine, server.ready = engine, True
+    engine.scheduler.wait_arrived = server.wait_arrived
     server.metrics.engine_ready(engine)
     log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
     if on_ready is not None:

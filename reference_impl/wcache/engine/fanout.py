@@ -43,10 +43,15 @@ def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None) 
     return done
 
 
-def stream(engine, prompts, req, stop: Callable[[], bool]) -> Iterator[tuple[str, int, object]]:
+def _thread(fn, *args) -> None:
+    threading.Thread(target=fn, args=args, name="wcache-stream", daemon=True).start()
+
+
+def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread) -> Iterator[tuple[str, int, object]]:
     """("text", index, piece) as each piece is decoded, ("done", index, Completion) as each ends,
     until every prompt is done; ("error", index, exception) ends the series early. ``stop()`` is
-    asked at each piece: True stops every prompt at its next token."""
+    asked at each piece: True stops every prompt at its next token. ``submit(fn, *args)`` runs each
+    prompt's ``generate`` on another thread (the server's: worker_threads.py)."""
     events: queue.Queue = queue.Queue()
     failed = threading.Event()
 
@@ -59,7 +64,7 @@ def stream(engine, prompts, req, stop: Callable[[], bool]) -> Iterator[tuple[str
             events.put(("error", i, e))
 
     for i in range(len(prompts)):
-        threading.Thread(target=run, args=(i,), name=f"wcache-stream-{i}", daemon=True).start()
+        submit(run, i)
     left = len(prompts)
     while left:
         kind, i, item = events.get()

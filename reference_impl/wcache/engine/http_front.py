@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import select
 import socket
 import sys
 import threading
@@ -48,6 +49,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.engine.access_log import RequestRecord
 from wcache.engine.access_log import log as access_log
+from wcache.engine.worker_threads import WorkerThreads
 from wcache.engine.openai_api import error_body
 from wcache.engine.request_id import HEADER as REQUEST_ID_HEADER
 from wcache.engine.request_id import request_id
@@ -172,6 +174,9 @@ class DeadlineReader:
 
 
 IDLE, ARRIVING = "idle", "arriving"  # a waiting connection's state
+# A new connection counts as a request arriving for this long (Connections.arriving): one that
+# connects and sends nothing (a client's pool, a slow client) holds back no step after it.
+FRESH_S = 0.02
 WAITING, WORKING, LANE = "waiting", "working", "lane"  # the budget a connection holds
 
 
@@ -182,7 +187,9 @@ class Connections:
     def __init__(self, limits: Limits):
         self.limits = limits
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a connection changed state (wait_arrived)
         self._budget: dict[socket.socket, str] = {}
+        self._fresh: dict[socket.socket, tuple] = {}  # accepted, its first request not yet arriving
         self._waiting: dict[socket.socket, tuple[str, float, DeadlineReader | None]] = {}
         self._used = {WAITING: 0, WORKING: 0, LANE: 0}
         self._size = {WAITING: limits.max_waiting_connections, WORKING: limits.max_connections,
@@ -208,7 +215,7 @@ class Connections:
         with self._lock:
             if not self._take(sock, WAITING) and not (self._evict() and self._take(sock, WAITING)):
                 return False
-            self._waiting[sock] = (IDLE, time.monotonic(), None)
+            self._waiting[sock] = self._fresh[sock] = (IDLE, time.monotonic(), None)
             return True
 
     def mark(self, sock: socket.socket, state: str, reader: DeadlineReader | None = None) -> bool:
@@ -218,6 +225,9 @@ class Connections:
             if self._budget.get(sock) != WAITING and not self._take(sock, WAITING):
                 return False
             self._waiting[sock] = (state, time.monotonic(), reader)
+            if state == ARRIVING:
+                self._fresh.pop(sock, None)
+            self._changed.notify_all()
             return True
 
     def work(self, sock: socket.socket, budget: str) -> bool:
@@ -225,6 +235,7 @@ class Connections:
         with self._lock:
             if sock not in self._budget:
                 return False  # closed to make room as its request completed: it leaves
+            self._changed.notify_all()
             return self._budget[sock] == budget or self._take(sock, budget)
 
     def forget(self, sock: socket.socket) -> None:
@@ -233,12 +244,41 @@ class Connections:
             if budget is not None:
                 self._used[budget] -= 1
             self._waiting.pop(sock, None)
+            self._fresh.pop(sock, None)
+            self._changed.notify_all()
 
     def in_flight(self) -> int:
         """Requests arriving or being answered (a drain waits for these)."""
         with self._lock:
             return self._used[WORKING] + self._used[LANE] + sum(
                 1 for st, _, _ in self._waiting.values() if st == ARRIVING)
+
+    def arriving(self, wait: float = 0.0) -> bool:
+        """Is a request arriving: being read, sent on an idle connection whose thread has not woken
+        yet, or expected on a connection accepted within ``FRESH_S``? If one is, waits up to
+        ``wait`` seconds for a change and looks again."""
+        with self._changed:
+            busy = self._arriving()
+            if busy and wait > 0:
+                self._changed.wait(wait)
+                busy = self._arriving()
+            return busy
+
+    def _arriving(self) -> bool:  # under the lock
+        now, idle = time.monotonic(), []
+        for sock, (state, _, _) in self._waiting.items():
+            if state == ARRIVING:
+                return True
+            idle.append(sock)
+        if any(now - since < FRESH_S for _, since, _ in self._fresh.values()):
+            return True
+        poller = select.poll()
+        for sock in idle:
+            try:
+                poller.register(sock, select.POLLIN)
+            except (OSError, ValueError):  # closed meanwhile
+                pass
+        return bool(poller.poll(0))
 
     def close_idle(self) -> None:
         """Close every idle connection (a drain: no next request will be served on them)."""
@@ -303,6 +343,7 @@ class FrontDoorServer(ThreadingHTTPServer):
         self.connections = Connections(limits)
         self.log_requests = True  # one access-log line per request (--disable-log-requests turns it off)
         self.closing = False  # a drain stopped accepting: no keep-alive past the current request
+        self.threads = WorkerThreads("wcache-http")  # connections, and streamed completions' generate
         # A decoding thread holds the GIL for up to the switch interval (5 ms) each time a request's
         # thread asks for it, and a probe's answer asks a dozen times: 1 ms keeps /health's p99 low
         # while completions decode (wcache bench --health-under-load measures it).
@@ -316,6 +357,25 @@ class FrontDoorServer(ThreadingHTTPServer):
             self.socket = sock
             self.server_address = sock.getsockname()
             self.server_name, self.server_port = self.server_address[:2]
+
+    def wait_arrived(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, while requests are arriving: connections waiting to be
+        accepted, new ones whose first request is not read yet, requests being read. True once none
+        is. An idle engine's scheduler asks before its first step (scheduler.py, ``ARRIVAL_WAIT_S``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                backlog = bool(select.select([self.socket], [], [], 0)[0])
+            except (OSError, ValueError):  # closed: nothing more arrives
+                backlog = False
+            # (A connection in the backlog changes no state here: look again within a millisecond.)
+            if not self.connections.arriving(min(left, 0.001)) and not backlog:
+                return True
+            if backlog and not self.connections.arriving():
+                time.sleep(min(left, 0.0005))
 
     def process_request(self, request, client_address):
         """A thread per connection, at most ``max_waiting_connections`` waiting: past that, room is
@@ -331,7 +391,11 @@ class FrontDoorServer(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        self.threads.submit(self.process_request_thread, request, client_address)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.threads.close()
 
     def process_request_thread(self, request, client_address):
         try:
@@ -351,6 +415,10 @@ class FrontDoorHandler(BaseHTTPRequestHandler):
 
     server: FrontDoorServer
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY, as uvicorn (vLLM's server) sets it: a stream is many small writes, and with
+    # Nagle's algorithm each one after the first waited for the client's delayed ACK. On a
+    # keep-alive connection a streamed max_tokens=1 completion took 48 ms instead of 6.
+    disable_nagle_algorithm = True
     record: RequestRecord | None = None
 
     def setup(self) -> None:

@@ -341,7 +341,7 @@ class _Handler(FrontDoorHandler):
             return gone.is_set() or aborting.is_set()
 
         done: list = [None] * len(prompts)
-        for kind, i, item in fanout.stream(engine, prompts, req, stop):
+        for kind, i, item in fanout.stream(engine, prompts, req, stop, self.server.threads.submit):
             if kind == "error":
                 if isinstance(item, QueueFull) and not started:
                     self._queue_full(item)

@@ -1,0 +1,73 @@
+"""The HTTP front door's intake, on real loopback sockets: which requests count as arriving (an idle
+engine's first step waits for them, scheduler.py) and the reused handler threads. (Small writes
+sent at once, TCP_NODELAY: tests/faults/test_fault_http.py, against a real engine.)"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from wcache.engine.http_front import FRESH_S
+from wcache.engine.server import EngineServer
+from wcache.engine.worker_threads import WorkerThreads
+
+
+@pytest.fixture
+def server():
+    s = EngineServer(("127.0.0.1", 0), None, "m")
+    s.ready = True
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def until(predicate, seconds: float = 2.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_a_new_connection_and_a_request_being_read_count_as_arriving(server):
+    assert not server.connections.arriving()
+    c = socket.create_connection(server.server_address)
+    try:
+        # Accepted and silent: arriving for FRESH_S, then no longer (a pool's spare connection).
+        assert until(lambda: server.connections.arriving(), FRESH_S)
+        assert until(lambda: not server.connections.arriving())
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # a head not finished yet
+        assert until(lambda: server.connections.arriving())
+        t0 = time.monotonic()
+        assert server.wait_arrived(0.05) is False  # waited its whole bound: the request still arrives
+        assert time.monotonic() - t0 >= 0.05
+        c.sendall(b"\r\n")
+        assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        assert until(lambda: not server.connections.arriving())
+        t0 = time.monotonic()
+        assert server.wait_arrived(1.0) is True
+        assert time.monotonic() - t0 < 0.5  # nothing arriving: no wait
+    finally:
+        c.close()
+
+
+def test_worker_threads_are_reused_and_leave_when_closed():
+    pool = WorkerThreads("test-pool", start_idle=2)
+    seen, done = [], threading.Semaphore(0)
+
+    def job(i):
+        seen.append((i, threading.get_ident()))
+        done.release()
+
+    for i in range(10):  # one after another: an idle thread takes each
+        pool.submit(job, i)
+        assert done.acquire(timeout=5)
+    assert len({ident for _, ident in seen}) <= 2, seen
+    threads = [t for t in threading.enumerate() if t.name == "test-pool"]
+    pool.close()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
