@@ -157,6 +157,18 @@ class Engine:
         is told each new piece of final text as it is decoded (textstream.py), on this thread, and
         returns True to stop early (a streaming client went away): the sequence then leaves the
         batch before the next step. Raises ``QueueFull`` when ``--max-waiting-requests`` wait."""
+        pieces = self.pieces(prompt, max_tokens, sampling, stop)
+        try:
+            piece = next(pieces)
+            while True:
+                piece = pieces.send(bool(on_text(piece)) if on_text is not None else False)
+        except StopIteration as done:
+            return done.value
+
+    def pieces(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=()):
+        """``generate`` as a generator, on the caller's thread: yields each new piece of final text;
+        ``send(True)`` stops the sequence at its next token, as ``close()`` does; returns the
+        Completion. A streamed response writes each piece as it comes, with no thread in between."""
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), tokenizer.EOS_ID)
         if self.closed:
@@ -167,25 +179,29 @@ class Engine:
         gone = False
         end = None
         first_at = None
-        while True:
-            item = seq.outbox.get()
-            if isinstance(item, _End):
-                end = item
-                break
-            if not out:
-                first_at = time.monotonic()
-            out.append(item)
-            piece = text.push(item)
-            if on_text is not None and piece and not gone:
-                gone = bool(on_text(piece))
-            if text.stopped or gone:
-                self.scheduler.cancel(seq)
-                break
+        try:
+            while True:
+                item = seq.outbox.get()
+                if isinstance(item, _End):
+                    end = item
+                    break
+                if not out:
+                    first_at = time.monotonic()
+                out.append(item)
+                piece = text.push(item)
+                if piece and not gone:
+                    gone = bool((yield piece))
+                if text.stopped or gone:
+                    self.scheduler.cancel(seq)
+                    break
+        except GeneratorExit:  # closed: nobody reads on
+            self.scheduler.cancel(seq)
+            raise
         if end is not None and end.reason == "error":
             raise RuntimeError(f"the engine failed: {end.error}") from end.error
         rest = text.finish()
-        if on_text is not None and rest and not gone:
-            on_text(rest)
+        if rest and not gone:
+            yield rest
         if end is not None and end.reason in ("overflow", "abort"):
             finish = "abort"  # vLLM's finish reason for a request the engine ended
         else:

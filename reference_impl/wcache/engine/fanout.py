@@ -3,8 +3,9 @@
 A request's list of prompts (``"prompt": ["a", "b"]``) gets one thread per prompt, each calling
 ``Engine.generate``; an engine that batches runs them in one batch, one that decodes a sequence at a
 time runs them one after another. ``stream`` turns their pieces of text into one ordered series of
-events for a server-sent stream. Both stop every prompt at its next token once they are told to
-(a client that went away, a drain's deadline).
+events for a server-sent stream; a single prompt streams on the request's own thread
+(``Engine.pieces``), so each token reaches its socket with one thread wake-up, not two. Both stop
+every prompt at its next token once they are told to (a client that went away, a drain's deadline).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread) -> It
     until every prompt is done; ("error", index, exception) ends the series early. ``stop()`` is
     asked at each piece: True stops every prompt at its next token. ``submit(fn, *args)`` runs each
     prompt's ``generate`` on another thread (the server's: worker_threads.py)."""
+    if len(prompts) == 1:  # the usual case: on this thread, each piece written as it comes
+        yield from _stream_one(engine, prompts[0], req, stop)
+        return
     events: queue.Queue = queue.Queue()
     failed = threading.Event()
 
@@ -73,3 +77,19 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread) -> It
             failed.set()  # the others stop at their next token
             return
         left -= kind == "done"
+
+
+def _stream_one(engine, prompt, req, stop: Callable[[], bool]) -> Iterator[tuple[str, int, object]]:
+    pieces = engine.pieces(prompt, *_args(req))
+    try:
+        try:
+            piece = next(pieces)
+            while True:
+                yield "text", 0, piece
+                piece = pieces.send(stop())
+        except StopIteration as done:
+            yield "done", 0, done.value
+        except Exception as e:  # QueueFull, a failed engine: the caller answers
+            yield "error", 0, e
+    finally:
+        pieces.close()  # a caller that stopped reading: the sequence leaves the batch
