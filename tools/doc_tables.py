@@ -236,7 +236,8 @@ def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str =
             "All done | Machine | Record |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for path, d in streaming_records(bench_dir):
         t, r = d["ttft_s"], d["request_s"]
-        machine = f"{d.get('cpu_model', d['machine'])}, {d['cpu_count']} CPUs, torch {d['torch']}"
+        where = d.get("gpu") or f"{d.get('cpu_model', d['machine'])}, {d['cpu_count']} CPUs"
+        machine = f"{where}, torch {d['torch']}"
         rows.append(f"| {d['streaming_clients']} | {d['max_tokens']} | {d['completed']} | {d['refused']} | "
                     f"{t['p50']:.2f} s | {t['p99']:.2f} s | {r['p99']:.2f} s | {d['wall_s']:.2f} s | {machine} | "
                     f"[{d['date'][:10]}]({link_prefix}{path.name}) |")

@@ -76,24 +76,24 @@ for s in "$@"; do
     pages2) stage pages2 560 guide-gpu-mode-2.log python3 -m pytest -p no:cacheprovider -v \
               $(page_ids "${PAGES[@]:HALF}") || rc=1 ;;
     bench8b)
-      checkpoint /tmp/l8 llama-8b || rc=1
-      bench /tmp/l8 llama-8b vmm_fd 260 || rc=1
-      bench /tmp/l8 llama-8b cuda_ipc 260 || rc=1 ;;
+      checkpoint /tmp/llama-8b llama-8b || rc=1
+      bench /tmp/llama-8b llama-8b vmm_fd 260 || rc=1
+      bench /tmp/llama-8b llama-8b cuda_ipc 260 || rc=1 ;;
     vmm|ipc)
-      checkpoint /tmp/l8 llama-8b || rc=1
-      bench /tmp/l8 llama-8b "$([ "$s" = vmm ] && echo vmm_fd || echo cuda_ipc)" 260 || rc=1 ;;
+      checkpoint /tmp/llama-8b llama-8b || rc=1
+      bench /tmp/llama-8b llama-8b "$([ "$s" = vmm ] && echo vmm_fd || echo cuda_ipc)" 260 || rc=1 ;;
     bench10k)
       checkpoint /tmp/t10k tensors-10k || rc=1
       bench /tmp/t10k tensors-10k vmm_fd 240 || rc=1 ;;
     respawn)
-      checkpoint /tmp/l8 llama-8b || rc=1
-      stage "bench llama-8b respawn" 420 llama-8b-respawn.log wcache bench --respawn --model /tmp/l8 --device cuda \
+      checkpoint /tmp/llama-8b llama-8b || rc=1
+      stage "bench llama-8b respawn" 420 llama-8b-respawn.log wcache bench --respawn --model /tmp/llama-8b --device cuda \
         --transport vmm_fd --repeat 10 --json --output "$OUT/llama-8b-respawn.json" || rc=1 ;;
     batching) stage batching 240 gpu-batching.log python3 -m pytest -p no:cacheprovider -v \
                 tests/gpu/test_batching_gpu.py tests/gpu/test_respawn_gpu.py || rc=1 ;;
     stream)
-      checkpoint /tmp/l8 llama-8b || rc=1
-      stage "stream llama-8b" 300 llama-8b-streaming.log python3 -m wcache.bench.streaming /tmp/l8 --clients 64 \
+      checkpoint /tmp/llama-8b llama-8b || rc=1
+      stage "stream llama-8b" 300 llama-8b-streaming.log python3 -m wcache.bench.streaming /tmp/llama-8b --clients 64 \
         --max-tokens 128 --vs-one --device cuda --dtype bfloat16 --output "$OUT/llama-8b-streaming.json" || rc=1 ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
