@@ -270,28 +270,26 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
         for lock, (group, i, r) in zip(locks, [(g, i, r) for g in plan.groups for i, r in enumerate(planned)]):
             ranks.append(RankProcess(r, _group_spec(spec, group, seeds[i] if seeds else None), lock))
         code = _await_ready(ranks, stop)
-        if code is not None:
-            return code
-        if stop.is_set():
-            return 0
-        health.ready = True
-        sockets = ", ".join(r.info["socket"] for r in ranks)
-        log.info("%s (%d rank(s) in %.1f s): %s", READY, len(ranks), time.perf_counter() - t0, sockets)
-        while not stop.wait(0.2):
-            dead = [r for r in ranks if r.proc.poll() is not None]
-            if dead and not health.failed:
-                health.failed = True
-                log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
-                          {r.label: r.proc.returncode for r in dead})
-                for r in dead:  # after the line: the metrics' bookkeeping may first import prometheus_client
-                    metrics.rank_exited(r.proc.pid)
-        return 0
+        if code is None and not stop.is_set():
+            health.ready = True
+            sockets = ", ".join(r.info["socket"] for r in ranks)
+            log.info("%s (%d rank(s) in %.1f s): %s", READY, len(ranks), time.perf_counter() - t0, sockets)
+            while not stop.wait(0.2):
+                dead = [r for r in ranks if r.proc.poll() is not None]
+                if dead and not health.failed:
+                    health.failed = True
+                    log.error("Weight cache daemon rank(s) exited: %s; /health now answers 503",
+                              {r.label: r.proc.returncode for r in dead})
+                    for r in dead:  # after the line: the metrics' bookkeeping may first import prometheus_client
+                        metrics.rank_exited(r.proc.pid)
     finally:
-        _stop_all(ranks, args.weight_cache_stop_timeout)
+        killed = _stop_all(ranks, args.weight_cache_stop_timeout)
         if server is not None:
             server.shutdown()
             server.server_close()
         metrics.close()
+    # A rank that had to be killed did not stop cleanly: a supervisor sees it in the exit status.
+    return code if code is not None else (1 if killed else 0)
 
 
 def _await_ready(ranks: list[RankProcess], stop: StopFlag) -> int | None:
@@ -317,7 +315,9 @@ def _await_ready(ranks: list[RankProcess], stop: StopFlag) -> int | None:
     return None
 
 
-def _stop_all(ranks: list[RankProcess], grace_s: float) -> None:
+def _stop_all(ranks: list[RankProcess], grace_s: float) -> bool:
+    """SIGTERM every rank, SIGKILL those still alive after ``grace_s``; True if one was killed."""
+    killed = False
     for r in ranks:
         if r.proc.poll() is None:
             r.proc.terminate()
@@ -328,10 +328,12 @@ def _stop_all(ranks: list[RankProcess], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             r.proc.kill()
             r.proc.wait()
+            killed = True
             log.error(RANK_KILLED.format(rank=r.label, grace=grace_s))
             if r.info is not None:
                 _remove_dead_socket(r.label, Path(r.info["socket"]))
         r.ready_pipe.close()
+    return killed
 
 
 def _remove_dead_socket(label, path: Path) -> None:
