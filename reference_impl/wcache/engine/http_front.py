@@ -49,7 +49,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.engine.access_log import RequestRecord
 from wcache.engine.access_log import log as access_log
-from wcache.engine.worker_threads import WorkerThreads
+from wcache.engine.worker_threads import START_IDLE, WorkerThreads
 from wcache.engine.openai_api import error_body
 from wcache.engine.request_id import HEADER as REQUEST_ID_HEADER
 from wcache.engine.request_id import request_id
@@ -189,7 +189,7 @@ class Connections:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a connection changed state (wait_arrived)
         self._budget: dict[socket.socket, str] = {}
-        self._fresh: dict[socket.socket, tuple] = {}  # accepted, its first request not yet arriving
+        self._fresh: dict[socket.socket, float] = {}  # accepted (when), its first request not yet arriving
         self._waiting: dict[socket.socket, tuple[str, float, DeadlineReader | None]] = {}
         self._used = {WAITING: 0, WORKING: 0, LANE: 0}
         self._size = {WAITING: limits.max_waiting_connections, WORKING: limits.max_connections,
@@ -215,7 +215,8 @@ class Connections:
         with self._lock:
             if not self._take(sock, WAITING) and not (self._evict() and self._take(sock, WAITING)):
                 return False
-            self._waiting[sock] = self._fresh[sock] = (IDLE, time.monotonic(), None)
+            now = time.monotonic()
+            self._waiting[sock], self._fresh[sock] = (IDLE, now, None), now
             return True
 
     def mark(self, sock: socket.socket, state: str, reader: DeadlineReader | None = None) -> bool:
@@ -270,7 +271,7 @@ class Connections:
             if state == ARRIVING:
                 return True
             idle.append(sock)
-        if any(now - since < FRESH_S for _, since, _ in self._fresh.values()):
+        if any(now - since < FRESH_S for since in self._fresh.values()):
             return True
         poller = select.poll()
         for sock in idle:
@@ -343,7 +344,9 @@ class FrontDoorServer(ThreadingHTTPServer):
         self.connections = Connections(limits)
         self.log_requests = True  # one access-log line per request (--disable-log-requests turns it off)
         self.closing = False  # a drain stopped accepting: no keep-alive past the current request
-        self.threads = WorkerThreads("wcache-http")  # connections, and streamed completions' generate
+        self.threads = WorkerThreads("wcache-http", start_idle=0)  # connections, and streamed completions
+        threading.Thread(target=self.threads.prestart, args=(START_IDLE,), name="wcache-http-prestart",
+                         daemon=True).start()
         # A decoding thread holds the GIL for up to the switch interval (5 ms) each time a request's
         # thread asks for it, and a probe's answer asks a dozen times: 1 ms keeps /health's p99 low
         # while completions decode (wcache bench --health-under-load measures it).
@@ -371,10 +374,10 @@ class FrontDoorServer(ThreadingHTTPServer):
                 backlog = bool(select.select([self.socket], [], [], 0)[0])
             except (OSError, ValueError):  # closed: nothing more arrives
                 backlog = False
-            # (A connection in the backlog changes no state here: look again within a millisecond.)
-            if not self.connections.arriving(min(left, 0.001)) and not backlog:
+            arriving = self.connections.arriving(min(left, 0.001))  # waits a moment only if one is
+            if not arriving and not backlog:
                 return True
-            if backlog and not self.connections.arriving():
+            if not arriving:  # only the backlog, which changes no state here: look again shortly
                 time.sleep(min(left, 0.0005))
 
     def process_request(self, request, client_address):

@@ -26,8 +26,15 @@ class WorkerThreads:
         self._lock = threading.Lock()
         self._idle = 0  # threads waiting for a job, or about to: each job put has a taker
         self._closed = False
-        for _ in range(start_idle):
+        self.prestart(start_idle)
+
+    def prestart(self, n: int) -> None:
+        """Start ``n`` idle threads (a server does it on a thread of its own: 32 thread starts take
+        some 4 ms, which a promoted --respawn spare would add to its first answer)."""
+        for _ in range(n):
             with self._lock:
+                if self._closed:
+                    return
                 self._idle += 1
             self._start(None)
 
