@@ -137,12 +137,11 @@ class DeadlineReader:
             return True
         self.sock.settimeout(timeout)
         try:
-            data = self.sock.recv(1 << 16)
+            # Peek, not read: until the handler marks it arriving, the byte waiting in the socket
+            # is what tells the scheduler a request is arriving (Connections.arriving polls it).
+            return bool(self.sock.recv(1, socket.MSG_PEEK))
         except OSError:  # the idle timeout, or the server closed it to make room
             return False
-        self.buf += data
-        self.received = len(data)
-        return bool(data)
 
     def _take(self, n: int) -> bytes:
         out = bytes(self.buf[:n])
