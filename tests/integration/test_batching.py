@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 from batching_requests import REQUESTS, together
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
@@ -22,6 +23,7 @@ from wcache.engine.engine import STREAM_BUFFER_TOKENS, Engine
 from wcache.engine.runner import EngineOptions
 from wcache.errors import QUEUE_FULL, STREAM_OVERFLOW
 from wcache.model import tokenizer
+from wcache.model.llama import Linear
 
 NO_TUNE = ("--no-enable-autotune",)
 
@@ -52,6 +54,24 @@ def test_a_batch_gives_every_request_the_tokens_it_gets_alone(engine):
     # Alone a step gives a request at most two tokens (its prompt's pass and a decode pass); here
     # steps gave many more: the sequences were decoded together.
     assert tokens > 4 * steps, (tokens, steps)
+
+
+def test_a_bfloat16_cpu_engine_pads_its_rows_to_sizes_built_before_it_is_ready(engine, tiny16, caplog):
+    """(Its batches above ran padded: that they matched the requests alone is the other half.)
+    The log line is the one docs/serve-reference.md quotes."""
+    model = engine.runner.model
+    assert model.dtype == torch.bfloat16 and model.padded
+    assert all(m.padded for m in model.modules() if isinstance(m, Linear))
+    with caplog.at_level(logging.INFO, logger="wcache.engine"):
+        Engine.start(EngineConfig.build(str(tiny16), "auto", None, "cpu"),
+                     EngineOptions("safetensors", enable_autotune=False, max_model_len=512)).close()
+    assert "Built the CPU matrix kernels for 14 row counts (passes of up to 512 rows) in " in caplog.text
+    f32 = Engine.start(EngineConfig.build(str(tiny16), "float32", None, "cpu"),
+                       EngineOptions("safetensors", enable_autotune=False))
+    try:
+        assert not f32.runner.model.padded  # float32 runs each row alone (row_by_row): nothing to pad
+    finally:
+        f32.close()
 
 
 def test_prompt_token_ids_are_used_as_they_are(engine):

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from wcache.engine.http_front import FRESH_S
+from wcache.engine.http_front import ARRIVING, FRESH_S, IDLE, WORKING, Connections, Limits
 from wcache.engine.server import EngineServer
 from wcache.engine.worker_threads import WorkerThreads
 
@@ -52,6 +52,26 @@ def test_a_new_connection_and_a_request_being_read_count_as_arriving(server):
         assert time.monotonic() - t0 < 0.5  # nothing arriving: no wait
     finally:
         c.close()
+
+
+def test_a_read_request_arrives_until_it_is_handed_to_the_engine():
+    """After its head and body are read, a request is parsed and tokenized before it reaches the
+    engine's queue: it counts as arriving until then (else a burst's first step could start
+    without it), and no longer once handed, or once its connection is idle again."""
+    conns = Connections(Limits())
+    a, b = socket.socketpair()
+    try:
+        assert conns.admit(a)
+        assert conns.mark(a, ARRIVING) and conns.arriving()
+        assert conns.work(a, WORKING)
+        assert conns.arriving()  # working on it, not yet in the engine's queue
+        conns.handed(a)
+        assert not conns.arriving()
+        assert conns.mark(a, ARRIVING) and conns.work(a, WORKING) and conns.arriving()
+        assert conns.mark(a, IDLE) and not conns.arriving()  # answered without the engine (an error, a GET)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_worker_threads_are_reused_and_leave_when_closed():

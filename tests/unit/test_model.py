@@ -13,7 +13,15 @@ from safetensors.torch import load_file
 from wcache.core.checkpoint import read_config, shard_files
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
-from wcache.model.llama import BindError, ModelShape, bind_weights, build_meta_model, generate
+from wcache.model.llama import (
+    BindError,
+    ModelShape,
+    bind_weights,
+    build_meta_model,
+    generate,
+    padded_rows,
+    row_sizes,
+)
 from wcache.core.postprocess import fused_gate_up, fused_qkv, split_cols, split_rows
 from wcache.errors import UnsupportedQuantForIPCError
 from wcache.model.quant import (
@@ -132,6 +140,31 @@ def test_prompts_of_one_length_in_one_pass_give_each_row_its_logits_alone(tiny_m
     alone = torch.cat([model(p, [0], cache, slots=[0]) for p in prompts])
     assert together.shape == alone.shape == (6, 512)
     assert torch.equal(together, alone)
+
+def test_row_counts_are_padded_to_few_sizes():
+    assert [padded_rows(n) for n in (1, 2, 3, 5, 9, 33, 64, 65, 96, 129, 500)] == [
+        1, 2, 4, 8, 16, 64, 64, 128, 128, 192, 512]
+    assert row_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert row_sizes(5) == [1, 2, 4, 8]  # every count up to 5 pads to one of these
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17])
+def test_padded_rows_change_no_logit(tiny_model, rows):
+    """A CPU bfloat16 model pads each projection's rows to a few sizes built at start
+    (Llama.warm_rows): padding must not change a bit of any row's logits, in a prompt pass (rows
+    prompts of 5 tokens: 5 x rows projection rows) or in a decode step (rows rows)."""
+    gen = torch.Generator().manual_seed(rows)
+    prompts = torch.randint(0, 500, (rows, 5), generator=gen)
+    plain, _ = build(tiny_model, "bfloat16")
+    padded, _ = build(tiny_model, "bfloat16")
+    assert padded.warm_rows(64) == len(row_sizes(64))
+    for model in (plain, padded):
+        cache = model.new_cache(8, num_seqs=rows)
+        model.out = [model(prompts, [0] * rows, cache), model(prompts[:, :1], [5] * rows, cache)]
+    assert padded.padded and not plain.padded
+    for a, b in zip(plain.out, padded.out):
+        assert torch.equal(a, b)
+
 
 # -- tensor-parallel slicing -----------------------------------------------------------------------
 

@@ -152,12 +152,13 @@ class Engine:
 
     # -- a request's thread ---------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
-                 on_text=None) -> Completion:
+                 on_text=None, queued=None) -> Completion:
         """One completion. ``prompt``: text, or token ids used as they are. ``on_text(piece) -> bool``
         is told each new piece of final text as it is decoded (textstream.py), on this thread, and
         returns True to stop early (a streaming client went away): the sequence then leaves the
-        batch before the next step. Raises ``QueueFull`` when ``--max-waiting-requests`` wait."""
-        pieces = self.pieces(prompt, max_tokens, sampling, stop)
+        batch before the next step. ``queued()`` is called once the request is in the scheduler's
+        queue. Raises ``QueueFull`` when ``--max-waiting-requests`` wait."""
+        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued)
         try:
             piece = next(pieces)
             while True:
@@ -165,7 +166,8 @@ class Engine:
         except StopIteration as done:
             return done.value
 
-    def pieces(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=()):
+    def pieces(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
+               queued=None):
         """``generate`` as a generator, on the caller's thread: yields each new piece of final text;
         ``send(True)`` stops the sequence at its next token, as ``close()`` does; returns the
         Completion. A streamed response writes each piece as it comes, with no thread in between."""
@@ -174,6 +176,8 @@ class Engine:
         if self.closed:
             raise RuntimeError("the engine is stopping")
         self.scheduler.add(seq)
+        if queued is not None:
+            queued()
         text = TextStream(stop)
         out: list[int] = []
         gone = False

@@ -19,17 +19,37 @@ def _args(req) -> tuple:
     return req.max_tokens, req.sampling, req.stop
 
 
-def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None) -> list:
+def _each_queued(n: int, queued: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``queued`` (the HTTP layer's: this request is no longer arriving) once all ``n`` prompts are
+    in the engine's queue."""
+    if queued is None or n == 1:
+        return queued
+    left, lock = [n], threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            queued()
+
+    return one
+
+
+def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None,
+            queued: Callable[[], None] | None = None) -> list:
     """Every prompt's Completion, in the prompts' order; the first failure is raised. ``on_text``
-    is told each piece of every prompt's text and returns True to stop them all."""
+    is told each piece of every prompt's text and returns True to stop them all; ``queued()`` is
+    called once every prompt is in the engine's queue."""
+    queued = _each_queued(len(prompts), queued)
     if len(prompts) == 1:  # no thread for the usual case
-        return [engine.generate(prompts[0], *_args(req), on_text=on_text)]
+        return [engine.generate(prompts[0], *_args(req), on_text=on_text, queued=queued)]
     done: list = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text)
+            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text, queued=queued)
         except BaseException as e:  # raised below, on the request's thread
             errors.append(e)
 
@@ -48,20 +68,23 @@ def _thread(fn, *args) -> None:
     threading.Thread(target=fn, args=args, name="wcache-stream", daemon=True).start()
 
 
-def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread) -> Iterator[tuple[str, int, object]]:
+def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread,
+           queued: Callable[[], None] | None = None) -> Iterator[tuple[str, int, object]]:
     """("text", index, piece) as each piece is decoded, ("done", index, Completion) as each ends,
     until every prompt is done; ("error", index, exception) ends the series early. ``stop()`` is
     asked at each piece: True stops every prompt at its next token. ``submit(fn, *args)`` runs each
-    prompt's ``generate`` on another thread (the server's: worker_threads.py)."""
+    prompt's ``generate`` on another thread (the server's: worker_threads.py); ``queued`` as in
+    ``run_all``."""
+    queued = _each_queued(len(prompts), queued)
     if len(prompts) == 1:  # the usual case: on this thread, each piece written as it comes
-        yield from _stream_one(engine, prompts[0], req, stop)
+        yield from _stream_one(engine, prompts[0], req, stop, queued)
         return
     events: queue.Queue = queue.Queue()
     failed = threading.Event()
 
     def run(i: int) -> None:
         try:
-            c = engine.generate(prompts[i], *_args(req),
+            c = engine.generate(prompts[i], *_args(req), queued=queued,
                                 on_text=lambda piece: events.put(("text", i, piece)) or failed.is_set() or stop())
             events.put(("done", i, c))
         except BaseException as e:
@@ -79,8 +102,8 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread) -> It
         left -= kind == "done"
 
 
-def _stream_one(engine, prompt, req, stop: Callable[[], bool]) -> Iterator[tuple[str, int, object]]:
-    pieces = engine.pieces(prompt, *_args(req))
+def _stream_one(engine, prompt, req, stop: Callable[[], bool], queued) -> Iterator[tuple[str, int, object]]:
+    pieces = engine.pieces(prompt, *_args(req), queued)
     try:
         try:
             piece = next(pieces)

@@ -190,6 +190,7 @@ class Connections:
         self._budget: dict[socket.socket, str] = {}
         self._fresh: dict[socket.socket, float] = {}  # accepted (when), its first request not yet arriving
         self._waiting: dict[socket.socket, tuple[str, float, DeadlineReader | None]] = {}
+        self._unhanded: set[socket.socket] = set()  # read, working, not yet handed to the engine (handed)
         self._used = {WAITING: 0, WORKING: 0, LANE: 0}
         self._size = {WAITING: limits.max_waiting_connections, WORKING: limits.max_connections,
                       LANE: limits.health_connections}
@@ -225,6 +226,7 @@ class Connections:
             if self._budget.get(sock) != WAITING and not self._take(sock, WAITING):
                 return False
             self._waiting[sock] = (state, time.monotonic(), reader)
+            self._unhanded.discard(sock)
             if state == ARRIVING:
                 self._fresh.pop(sock, None)
             self._changed.notify_all()
@@ -236,7 +238,19 @@ class Connections:
             if sock not in self._budget:
                 return False  # closed to make room as its request completed: it leaves
             self._changed.notify_all()
-            return self._budget[sock] == budget or self._take(sock, budget)
+            ok = self._budget[sock] == budget or self._take(sock, budget)
+            if ok and budget == WORKING:
+                self._unhanded.add(sock)
+            return ok
+
+    def handed(self, sock: socket.socket) -> None:
+        """Its request is in the engine's queue (or answered without it): no longer arriving. From
+        reading its head until then (parsing the body, tokenizing), a request counts as arriving:
+        a burst's last request was otherwise left out of its first step at times."""
+        with self._lock:
+            if sock in self._unhanded:
+                self._unhanded.discard(sock)
+                self._changed.notify_all()
 
     def forget(self, sock: socket.socket) -> None:
         with self._lock:
@@ -245,6 +259,7 @@ class Connections:
                 self._used[budget] -= 1
             self._waiting.pop(sock, None)
             self._fresh.pop(sock, None)
+            self._unhanded.discard(sock)
             self._changed.notify_all()
 
     def in_flight(self) -> int:
@@ -254,8 +269,9 @@ class Connections:
                 1 for st, _, _ in self._waiting.values() if st == ARRIVING)
 
     def arriving(self, wait: float = 0.0) -> bool:
-        """Is a request arriving: being read, sent on an idle connection whose thread has not woken
-        yet, or expected on a connection accepted within ``FRESH_S``? If one is, waits up to
+        """Is a request arriving: being read or parsed (not yet ``handed`` to the engine), sent on an
+        idle connection whose thread has not woken yet, or expected on a connection accepted within
+        ``FRESH_S``? If one is, waits up to
         ``wait`` seconds for a change and looks again."""
         with self._changed:
             busy = self._arriving()
@@ -265,6 +281,8 @@ class Connections:
             return busy
 
     def _arriving(self) -> bool:  # under the lock
+        if self._unhanded:
+            return True
         now, idle = time.monotonic(), []
         for sock, (state, _, _) in self._waiting.items():
             if state == ARRIVING:
@@ -485,6 +503,7 @@ class FrontDoorHandler(BaseHTTPRequestHandler):
                 pass
         finally:
             reader.deadline = None
+            self.server.connections.handed(self.connection)
             if self.record is not None and self.server.log_requests:
                 access_log.info(self.record.line())
 

@@ -20,6 +20,7 @@ it binds or on a listening socket it is handed (``sock=``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -261,10 +262,11 @@ class _Handler(FrontDoorHandler):
         if aborting.is_set():
             self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
             return
+        queued = functools.partial(self.server.connections.handed, self.connection)  # no longer arriving
         with self.server.metrics.request() as timing:
             if req.stream:
                 events = (chat.ChatStream if is_chat else api.CompletionStream)(served.name, req.include_usage)
-                self._stream(engine, prompts, req, events, timing)
+                self._stream(engine, prompts, req, events, timing, queued)
                 return
             gone = cut = False
 
@@ -279,7 +281,7 @@ class _Handler(FrontDoorHandler):
                 return gone or cut
 
             try:
-                done = fanout.run_all(engine, prompts, req, on_text)
+                done = fanout.run_all(engine, prompts, req, on_text, queued)
             except QueueFull as e:
                 self._queue_full(e)
                 return
@@ -308,7 +310,7 @@ class _Handler(FrontDoorHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _stream(self, engine, prompts: list, req, events, timing) -> None:
+    def _stream(self, engine, prompts: list, req, events, timing, queued) -> None:
         """Server-sent events, as vLLM sends them (``events`` says which: openai_api.CompletionStream,
         chat.ChatStream). The engine decodes on other threads (fanout.py) and this thread writes the
         events as the engine loop hands it tokens (the loop itself never waits for a client); a
@@ -341,7 +343,7 @@ class _Handler(FrontDoorHandler):
             return gone.is_set() or aborting.is_set()
 
         done: list = [None] * len(prompts)
-        for kind, i, item in fanout.stream(engine, prompts, req, stop, self.server.threads.submit):
+        for kind, i, item in fanout.stream(engine, prompts, req, stop, self.server.threads.submit, queued):
             if kind == "error":
                 if isinstance(item, QueueFull) and not started:
                     self._queue_full(item)

@@ -85,6 +85,32 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# CPU, bfloat16: oneDNN builds a matrix kernel the first time it meets a row count (x's first
+# dimension), about 0.5 ms per weight shape; a pass of 16 prompts that came in a burst took 6.1 ms
+# the first time and 2.8 ms after, so a fresh engine paid it in its busiest moment. Projections
+# there pad their rows to one of few sizes (padded_rows), which RankRunner builds before the
+# engine is ready (Llama.warm_rows). Rows are computed independently of each other in bfloat16 on
+# CPU (engine.py, tests/integration/test_batching.py): padding changes no row's result.
+ROW_STEP = 64  # row counts: powers of two up to this, then multiples of it
+
+
+def padded_rows(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n <= ROW_STEP else -(-n // ROW_STEP) * ROW_STEP
+
+
+def row_sizes(most: int) -> list[int]:
+    """Every padded row count of at most ``most`` rows."""
+    top = padded_rows(most)
+    return sorted({padded_rows(n) for n in range(1, min(top, ROW_STEP) + 1)} | set(range(2 * ROW_STEP, top + 1, ROW_STEP)))
+
+
+def pad_rows(x: torch.Tensor, project) -> torch.Tensor:
+    """``project(x)`` with x's rows padded (zeros) to ``padded_rows``; the padding's rows dropped."""
+    n = x.shape[0]
+    m = padded_rows(n)
+    return project(x) if m == n else project(F.pad(x, (0, 0, 0, m - n)))[:n]
+
+
 class Linear(nn.Module):
     """A bias-free projection whose stored form is chosen by the quantization method."""
 
@@ -96,8 +122,12 @@ class Linear(nn.Module):
         self.quant = quant
         self.compute_dtype = dtype
         self.impl = "linear"  # the autotuner may choose another implementation
+        self.padded = False  # rows padded (CPU, bfloat16; see padded_rows): Llama.warm_rows sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return pad_rows(x, self._project) if self.padded else self._project(x)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant.native_matmul(x, self._buffers)  # FP8 on Hopper's tensor cores, else None
         if y is not None:
             return y
@@ -265,6 +295,7 @@ class Llama(nn.Module):
         super().__init__()
         self.shape = s
         self.dtype = dtype
+        self.padded = False  # rows padded (warm_rows)
         if s.first_stage:
             self.embed = nn.Module()
             self.embed.register_buffer("weight", torch.empty(s.vocab_size, s.hidden_size, dtype=dtype))
@@ -274,6 +305,31 @@ class Llama(nn.Module):
             self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
             self.lm_head = nn.Module()
             self.lm_head.register_buffer("weight", torch.empty(s.vocab_size, s.hidden_size, dtype=dtype))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits, in the compute dtype."""
+        project = lambda h: F.linear(h, self.lm_head.weight)  # noqa: E731
+        return pad_rows(x, project) if self.padded else project(x)
+
+    @torch.inference_mode()
+    def warm_rows(self, most: int) -> int:
+        """Pad every projection's rows from now on (CPU, bfloat16: see padded_rows) and run each
+        projection shape once at every padded row count up to ``most``, so no pass meets a new one.
+        Returns how many row counts."""
+        self.padded = True
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for lin in linears:
+            lin.padded = True
+        first = {}  # one Linear per distinct shape and implementation: the kernels do not depend on the weights
+        for lin in linears:
+            first.setdefault((lin.in_features, lin.out_features, repr(lin.impl)), lin)
+        sizes = row_sizes(most)
+        for m in sizes:
+            for lin in first.values():
+                lin(torch.zeros(m, lin.in_features, dtype=self.dtype, device=self.device))
+            if self.shape.last_stage:
+                self.head(torch.zeros(m, self.shape.hidden_size, dtype=self.dtype, device=self.device))
+        return len(sizes)
 
     def set_all_reduce(self, fn) -> None:
         for block in self.layers.values():
@@ -326,11 +382,11 @@ class Llama(nn.Module):
         if not s.last_stage:
             return x
         if all_positions:
-            logits = F.linear(self.norm(x), self.lm_head.weight).float().view(B, T, -1)
+            logits = self.head(self.norm(x)).float().view(B, T, -1)
         else:
             rows = x.view(B, T, -1)
             final = rows[:, -1] if last is None else rows.index_select(1, last)[:, 0]  # (B, hidden)
-            logits = F.linear(self.norm(final), self.lm_head.weight).float()  # (B, vocab)
+            logits = self.head(self.norm(final)).float()  # (B, vocab)
         return logits[0] if one else logits
 
     @torch.inference_mode()
