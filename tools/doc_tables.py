@@ -224,10 +224,16 @@ def http_limits() -> str:
 
 
 def streaming_records(bench_dir: Path = bench_records.BENCH_DIR) -> list[tuple[Path, dict]]:
-    """``python -m wcache.bench.streaming`` records (concurrent streaming clients), in file-name order."""
+    """``python -m wcache.bench.streaming`` records (concurrent streaming clients), oldest first."""
     from wcache.bench.streaming import RECORD_KEY
 
-    return bench_records.records(RECORD_KEY, bench_dir)
+    return sorted(bench_records.records(RECORD_KEY, bench_dir), key=lambda r: (r[1]["date"], r[0].name))
+
+
+def _record_link(path: Path, d: dict, link_prefix: str) -> str:
+    """The record's date, and its commit where it names one (a day can have several records)."""
+    commit = f" `{d['commit']}`" if d.get("commit") else ""
+    return f"[{d['date'][:10]}{commit}]({link_prefix}{path.name})"
 
 
 def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
@@ -240,7 +246,7 @@ def http_streaming(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str =
         machine = f"{where}, torch {d['torch']}"
         rows.append(f"| {d['streaming_clients']} | {d['max_tokens']} | {d['completed']} | {d['refused']} | "
                     f"{t['p50']:.2f} s | {t['p99']:.2f} s | {r['p99']:.2f} s | {d['wall_s']:.2f} s | {machine} | "
-                    f"[{d['date'][:10]}]({link_prefix}{path.name}) |")
+                    f"{_record_link(path, d, link_prefix)} |")
     return "\n".join(rows)
 
 
@@ -264,7 +270,7 @@ def http_vs_one(bench_dir: Path = bench_records.BENCH_DIR, link_prefix: str = "b
                     f"x{v['tokens_per_s']}{ratio} | "
                     f"x{v['ttft_p99']} | {d['matching_text']} of {d['streaming_clients']} | "
                     f"{st.get('step_ms', 0):.2f} = {st.get('forward_ms', 0):.2f} + {st.get('overhead_ms', 0):.2f} ms | "
-                    f"[{d['date'][:10]}]({link_prefix}{path.name}) |")
+                    f"{_record_link(path, d, link_prefix)} |")
     return "\n".join(rows)
 
 
