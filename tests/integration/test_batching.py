@@ -60,16 +60,16 @@ def test_a_bfloat16_cpu_engine_pads_its_rows_to_sizes_built_before_it_is_ready(e
     """(Its batches above ran padded: that they matched the requests alone is the other half.)
     The log line is the one docs/serve-reference.md quotes."""
     model = engine.runner.model
-    assert model.dtype == torch.bfloat16 and model.padded
-    assert all(m.padded for m in model.modules() if isinstance(m, Linear))
+    assert model.dtype == torch.bfloat16 and model.pad_limit == 16  # the LM head: --max-num-seqs rows at most
+    assert all(m.pad_limit == 512 for m in model.modules() if isinstance(m, Linear))
     with caplog.at_level(logging.INFO, logger="wcache.engine"):
         Engine.start(EngineConfig.build(str(tiny16), "auto", None, "cpu"),
                      EngineOptions("safetensors", enable_autotune=False, max_model_len=512)).close()
-    assert "Built the CPU matrix kernels for 14 row counts (passes of up to 512 rows) in " in caplog.text
+    assert "Built the CPU matrix kernels for passes of up to 512 rows in " in caplog.text
     f32 = Engine.start(EngineConfig.build(str(tiny16), "float32", None, "cpu"),
                        EngineOptions("safetensors", enable_autotune=False))
     try:
-        assert not f32.runner.model.padded  # float32 runs each row alone (row_by_row): nothing to pad
+        assert not f32.runner.model.pad_limit  # float32 runs each row alone (row_by_row): nothing to pad
     finally:
         f32.close()
 

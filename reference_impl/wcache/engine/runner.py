@@ -68,7 +68,7 @@ OP_FORWARD, OP_STOP, OP_KEEPALIVE = 1, 2, 3
 TARGET, DRAFT = 0, 1  # which model a forward pass runs
 HEADER_FIXED = 5  # op, model, rows, tokens per row, logits_from; then slots, starts and tokens
 DEFAULT_MAX_MODEL_LEN = 2048
-ROWS_WARMED = "Built the CPU matrix kernels for {sizes} row counts (passes of up to {most} rows) in {seconds:.2f} s"
+ROWS_WARMED = "Built the CPU matrix kernels for passes of up to {most} rows in {seconds:.2f} s"
 WARM_UP_TOKENS = 8  # a hot spare's warm-up prefill (runner.warm_up)
 # vLLM's default (its V1 engine picks 256 or 1024 by hardware). Every slot holds a whole
 # --max-model-len, so the KV cache for 256 slots is allocated at start; memory.py lowers it to what
@@ -228,16 +228,16 @@ class RankRunner:
         self._warm_rows()
 
     def _warm_rows(self) -> None:
-        """CPU, bfloat16: every projection's kernels for every padded row count a pass can have
-        (llama.padded_rows), built now rather than by the first pass of each size. Before sizing
+        """CPU, bfloat16: the projections' kernels for the padded row counts a pass can have
+        (llama.padded_rows), built now rather than by the first pass of each count. Before sizing
         memory, so that its profiling forward runs padded."""
         o, t0 = self.options, time.perf_counter()
-        longest = min(o.max_model_len or DEFAULT_MAX_MODEL_LEN, self.cfg.shape.max_positions)
-        most = max(longest + (self.draft_spec["k"] + 1 if self.draft_spec else 0), o.max_num_seqs)
+        lookahead = self.draft_spec["k"] + 1 if self.draft_spec else 0
+        longest = min(o.max_model_len or DEFAULT_MAX_MODEL_LEN, self.cfg.shape.max_positions) + lookahead
         for m in (self.model, self.draft):
             if m is not None and self.device.type == "cpu" and m.dtype == torch.bfloat16:
-                sizes = m.warm_rows(most)
-                log.info(ROWS_WARMED.format(sizes=sizes, most=most, seconds=time.perf_counter() - t0))
+                padded = m.warm_rows(max(longest, o.max_num_seqs), max(o.max_num_seqs, lookahead))
+                log.info(ROWS_WARMED.format(most=padded, seconds=time.perf_counter() - t0))
 
     def _load(self, cfg: EngineConfig, fmt: str, draft: bool) -> Llama:
         loaded = load_weights(cfg, fmt, self.options.loader_config, draft=draft)

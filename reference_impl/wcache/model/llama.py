@@ -88,9 +88,12 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 # CPU, bfloat16: oneDNN builds a matrix kernel the first time it meets a row count (x's first
 # dimension), about 0.5 ms per weight shape; a pass of 16 prompts that came in a burst took 6.1 ms
 # the first time and 2.8 ms after, so a fresh engine paid it in its busiest moment. Projections
-# there pad their rows to one of few sizes (padded_rows), which RankRunner builds before the
-# engine is ready (Llama.warm_rows). Rows are computed independently of each other in bfloat16 on
-# CPU (engine.py, tests/integration/test_batching.py): padding changes no row's result.
+# there pad their rows to one of few sizes (padded_rows), whose kernels RankRunner builds before the
+# engine is ready (Llama.warm_rows), up to the row count where a projection's pass reaches
+# ``PAD_MACS`` multiply-adds: past that, a pass is long enough that building a kernel adds little,
+# and it runs its rows as they are. Rows are computed independently of each other in bfloat16 on CPU
+# (engine.py, tests/unit/test_model.py): padding changes no row's result.
+PAD_MACS = 1 << 27  # the tiny preset pads every pass (up to 512 rows); the small one up to 8 rows
 ROW_STEP = 64  # row counts: powers of two up to this, then multiples of it
 
 
@@ -99,16 +102,17 @@ def padded_rows(n: int) -> int:
 
 
 def row_sizes(most: int) -> list[int]:
-    """Every padded row count of at most ``most`` rows."""
+    """Every padded row count of at most ``most`` rows, smallest first."""
     top = padded_rows(most)
     return sorted({padded_rows(n) for n in range(1, min(top, ROW_STEP) + 1)} | set(range(2 * ROW_STEP, top + 1, ROW_STEP)))
 
 
-def pad_rows(x: torch.Tensor, project) -> torch.Tensor:
-    """``project(x)`` with x's rows padded (zeros) to ``padded_rows``; the padding's rows dropped."""
+def pad_rows(x: torch.Tensor, project, limit: int) -> torch.Tensor:
+    """``project(x)``, with x's rows padded (zeros) to ``padded_rows`` if that is at most ``limit``
+    (the padding's rows dropped from the result)."""
     n = x.shape[0]
     m = padded_rows(n)
-    return project(x) if m == n else project(F.pad(x, (0, 0, 0, m - n)))[:n]
+    return project(x) if m == n or m > limit else project(F.pad(x, (0, 0, 0, m - n)))[:n]
 
 
 class Linear(nn.Module):
@@ -122,10 +126,10 @@ class Linear(nn.Module):
         self.quant = quant
         self.compute_dtype = dtype
         self.impl = "linear"  # the autotuner may choose another implementation
-        self.padded = False  # rows padded (CPU, bfloat16; see padded_rows): Llama.warm_rows sets it
+        self.pad_limit = 0  # rows padded up to this many (CPU, bfloat16; see padded_rows): Llama.warm_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return pad_rows(x, self._project) if self.padded else self._project(x)
+        return pad_rows(x, self._project, self.pad_limit) if self.pad_limit else self._project(x)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant.native_matmul(x, self._buffers)  # FP8 on Hopper's tensor cores, else None
@@ -295,7 +299,7 @@ class Llama(nn.Module):
         super().__init__()
         self.shape = s
         self.dtype = dtype
-        self.padded = False  # rows padded (warm_rows)
+        self.pad_limit = 0  # the LM head's rows padded up to this many (warm_rows)
         if s.first_stage:
             self.embed = nn.Module()
             self.embed.register_buffer("weight", torch.empty(s.vocab_size, s.hidden_size, dtype=dtype))
@@ -309,27 +313,33 @@ class Llama(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head's logits, in the compute dtype."""
         project = lambda h: F.linear(h, self.lm_head.weight)  # noqa: E731
-        return pad_rows(x, project) if self.padded else project(x)
+        return pad_rows(x, project, self.pad_limit) if self.pad_limit else project(x)
 
     @torch.inference_mode()
-    def warm_rows(self, most: int) -> int:
-        """Pad every projection's rows from now on (CPU, bfloat16: see padded_rows) and run each
-        projection shape once at every padded row count up to ``most``, so no pass meets a new one.
-        Returns how many row counts."""
-        self.padded = True
+    def warm_rows(self, most: int, head_most: int) -> int:
+        """CPU, bfloat16 (see padded_rows): pad every projection's rows from now on, up to the
+        largest padded row count of at most ``most`` rows at which its layer's projections stay
+        within ``PAD_MACS`` multiply-adds (the LM head's, of at most ``head_most``: only a pass's
+        final rows reach it), and run each projection shape once at every such count. Returns the
+        projections' limit (0: none padded)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for lin in linears:
-            lin.padded = True
-        first = {}  # one Linear per distinct shape and implementation: the kernels do not depend on the weights
+        first = {}  # one Linear per shape and implementation: the kernels do not depend on the weights
         for lin in linears:
             first.setdefault((lin.in_features, lin.out_features, repr(lin.impl)), lin)
-        sizes = row_sizes(most)
-        for m in sizes:
-            for lin in first.values():
-                lin(torch.zeros(m, lin.in_features, dtype=self.dtype, device=self.device))
-            if self.shape.last_stage:
+        per_row = sum(lin.in_features * lin.out_features for lin in first.values())
+        limit = max([m for m in row_sizes(most) if m * per_row <= PAD_MACS], default=0)
+        head = self.shape.hidden_size * self.shape.vocab_size if self.shape.last_stage else 0
+        head_limit = max([m for m in row_sizes(head_most) if m * head <= PAD_MACS], default=0) if head else 0
+        for m in row_sizes(max(limit, head_limit, 1)):
+            if m <= limit:
+                for lin in first.values():
+                    lin(torch.zeros(m, lin.in_features, dtype=self.dtype, device=self.device))
+            if m <= head_limit:
                 self.head(torch.zeros(m, self.shape.hidden_size, dtype=self.dtype, device=self.device))
-        return len(sizes)
+        for lin in linears:
+            lin.pad_limit = limit
+        self.pad_limit = head_limit
+        return limit
 
     def set_all_reduce(self, fn) -> None:
         for block in self.layers.values():
