@@ -104,7 +104,8 @@ def padded_rows(n: int) -> int:
 def row_sizes(most: int) -> list[int]:
     """Every padded row count of at most ``most`` rows, smallest first."""
     top = padded_rows(most)
-    return sorted({padded_rows(n) for n in range(1, min(top, ROW_STEP) + 1)} | set(range(2 * ROW_STEP, top + 1, ROW_STEP)))
+    small = {padded_rows(n) for n in range(1, min(top, ROW_STEP) + 1)}
+    return sorted(small | set(range(2 * ROW_STEP, top + 1, ROW_STEP)))
 
 
 def pad_rows(x: torch.Tensor, project, limit: int) -> torch.Tensor:
