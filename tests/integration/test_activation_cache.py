@@ -29,5 +29,9 @@ def test_a_restart_reuses_the_measured_peak_and_a_change_measures_again(tiny_mod
     assert memory.measure_activation_peak(_model(tiny_model), 64) == first  # a restarted engine
     assert calls == [] and "measured by an earlier start" in caplog.text
     assert memory.measure_activation_peak(model, 32) == 1 and calls == [32]  # another length: measured
+    padded = _model(tiny_model)
+    padded.warm_rows(64, 64)  # rows padded (CPU, bfloat16): another profile, measured again
+    assert memory.measure_activation_peak(padded, 32) == 1 and calls == [32, 32]
+    calls.pop()
     path.write_text("{not json")  # a damaged record costs a measurement, never a wrong figure
     assert memory.measure_activation_peak(model, 64) == 1 and calls == [32, 64]

@@ -237,8 +237,8 @@ ACTIVATION_MEASURED = "Activation peak: {size} for {tokens} tokens, measured in 
 
 def activation_key(model, tokens: int) -> dict:
     """Everything that can change the measured peak, as the autotune cache keys its results: the
-    model's shapes and dtype on this rank, each projection's implementation (the autotune winners),
-    the device, torch and wcache versions, the allocator settings and the token count."""
+    model's shapes and dtype on this rank, each projection's implementation (the autotune winners)
+    and row padding, the device, torch and wcache versions, the allocator settings and the token count."""
     from wcache import __version__
     from wcache.model.llama import Linear
 
@@ -248,6 +248,7 @@ def activation_key(model, tokens: int) -> dict:
             "shape": repr(model.shape), "dtype": str(model.dtype), "tokens": tokens,
             "quantization": sorted({type(m.quant).__name__ for m in linears}),
             "impls": sorted({_impl_name(m.impl) for m in linears}),
+            "pad_limit": max((m.pad_limit for m in linears), default=0),  # padded rows (llama.padded_rows)
             "device_kind": device.type,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cuda": torch.version.cuda if device.type == "cuda" else None,
