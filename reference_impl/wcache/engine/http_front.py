@@ -271,8 +271,7 @@ class Connections:
     def arriving(self, wait: float = 0.0) -> bool:
         """Is a request arriving: being read or parsed (not yet ``handed`` to the engine), sent on an
         idle connection whose thread has not woken yet, or expected on a connection accepted within
-        ``FRESH_S``? If one is, waits up to
-        ``wait`` seconds for a change and looks again."""
+        ``FRESH_S``? If one is, waits up to ``wait`` seconds for a change and looks again."""
         with self._changed:
             busy = self._arriving()
             if busy and wait > 0:

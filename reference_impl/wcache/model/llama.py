@@ -313,8 +313,10 @@ class Llama(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head's logits, in the compute dtype."""
-        project = lambda h: F.linear(h, self.lm_head.weight)  # noqa: E731
-        return pad_rows(x, project, self.pad_limit) if self.pad_limit else project(x)
+        return pad_rows(x, self._head, self.pad_limit) if self.pad_limit else self._head(x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head.weight)
 
     @torch.inference_mode()
     def warm_rows(self, most: int, head_most: int) -> int:
