@@ -102,9 +102,10 @@ test-fast: $(VENV)/.dev-installed docs-assets monitoring-deps checkov
 test-costs: $(VENV)/.dev-installed docs-assets
 	$(PY) -m pytest tests -m "not docker and not browser" --record-costs
 
-# On any CUDA host: the gpu-marked tests and the guide's GPU-only blocks.
+# On a CUDA host, as root: the gpu-marked tests and every page in GPU mode, side by side on
+# GPU_WORKERS workers (tools/gpu_tier.sh; docs/gpu-ci.md says what one run costs and needs).
 test-gpu: $(VENV)/.dev-installed
-	WCACHE_RUN_GPU_BLOCKS=1 $(PY) -m pytest tests -m gpu
+	PYTHON=$(PY) bash tools/gpu_tier.sh
 
 lint:
 	$(MARKDOWNLINT) "docs/**/*.md" README.md

@@ -9,6 +9,10 @@ tests share something machine-wide is one group, run by one worker in collection
 * tests/faults: one tally, printed at the end (`faults tried: ...`);
 * tests/browser: one built site and one Chromium.
 
+In the GPU tier (tools/gpu_tier.sh) each worker has a loopback of its own (tools/gpu_worker.py sets
+``WCACHE_TEST_OWN_LOOPBACK``): the pages' ports no longer collide, so every test is its own group
+there, and the pages and GPU tests spread over the GPU host's cores.
+
 End-of-run sections (the fault tally, the guide's block coverage, the docker timings) are printed
 by the worker that ran those tests, whose terminal nobody sees; `section` writes them to a file
 the controller prints instead. Without xdist it prints directly.
@@ -26,10 +30,13 @@ import pytest
 
 ONE_GROUP_DIRS = ("docs", "docker", "faults", "browser")
 RELAY_ENV = "WCACHE_TEST_SECTIONS_DIR"
+OWN_LOOPBACK_ENV = "WCACHE_TEST_OWN_LOOPBACK"  # tools/gpu_worker.py
 TESTS = Path(__file__).parent
 
 
 def group_of(item: pytest.Item) -> str:
+    if os.environ.get(OWN_LOOPBACK_ENV):
+        return item.nodeid
     rel = Path(item.path).relative_to(TESTS)
     return rel.parts[0] if rel.parts[0] in ONE_GROUP_DIRS else rel.as_posix()
 

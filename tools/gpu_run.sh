@@ -9,6 +9,9 @@
 #
 # Stages, each under its own time limit (seconds); a call runs up to 10 minutes, so give it stages
 # whose typical times (measured on the H200 at 69f4ca9, ~) add up to less:
+#   tier      (560)        the whole GPU tier in one run: every gpu-marked test and every page in GPU
+#                          mode, side by side (tools/gpu_tier.sh, `make test-gpu`)  -> gpu-tier.log
+#   nvml                   what the driver charges a daemon and a zero_copy engine (probe) -> nvml.log
 #   tests     (420, ~280)  the gpu-marked tests, the guide's pages left out  -> gpu-tests.log
 #   pages1    (560, ~250)  the first half of the guide's pages in GPU mode   -> guide-gpu-mode-1.log
 #   pages2    (560, ~250)  the second half (the 20 pages took 508 s in all)  -> guide-gpu-mode-2.log
@@ -70,6 +73,8 @@ checkpoint() {  # DIR PRESET: written once per machine (a warm machine keeps /tm
 rc=0
 for s in "$@"; do
   case $s in
+    tier)   stage tier 560 gpu-tier.log bash tools/gpu_tier.sh || rc=1 ;;
+    nvml)   stage nvml 90 nvml.log python3 tools/probes/nvml_probe.py || rc=1 ;;
     tests)  stage tests 420 gpu-tests.log python3 -m pytest tests -m gpu -k "not test_page_on_gpu" -p no:cacheprovider || rc=1 ;;
     pages1) stage pages1 560 guide-gpu-mode-1.log python3 -m pytest -p no:cacheprovider -v \
               $(page_ids "${PAGES[@]:0:HALF}") || rc=1 ;;

@@ -41,14 +41,10 @@ replaced. Example::
 from __future__ import annotations
 
 import argparse
-import ctypes
-import fcntl
 import json
 import os
 import re
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -59,7 +55,9 @@ from pathlib import Path
 
 import yaml
 
-CLONE_NEWNET = 0x40000000
+sys.path.insert(0, str(Path(__file__).parent))  # netns.py beside this file
+import netns  # noqa: E402
+
 #: The kubelet's crash back-off: 10 s, doubled for each restart, at most 5 minutes.
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
 #: Defaults of a Kubernetes probe.
@@ -73,14 +71,10 @@ class HarnessError(Exception):
 
 def private_loopback() -> None:
     """Move this process into a new network namespace and bring its loopback up (needs root)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise HarnessError(f"unshare(CLONE_NEWNET) failed: {os.strerror(err)}; run as root, or use --host-network")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        ifr = struct.pack("16sH", b"lo", 0)
-        flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, ifr)[:18])[1]  # SIOCGIFFLAGS
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 0x1))  # SIOCSIFFLAGS: IFF_UP
+    try:
+        netns.private_loopback()
+    except netns.NamespaceError as e:
+        raise HarnessError(f"{e}; run as root, or use --host-network") from None
 
 
 def load_container(path: Path, name: str | None = None) -> tuple[dict, dict]:

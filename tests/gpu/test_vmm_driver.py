@@ -21,6 +21,8 @@ from wcache.core.postprocess import ProcessedWeights  # noqa: E402
 from wcache.wire.arena import Layout, manifest  # noqa: E402
 from wcache.wire.transports import cuda_vmm  # noqa: E402
 
+from device_usage import own_bytes  # noqa: E402  (tests/gpu/device_usage.py)
+
 DEVICE = torch.device("cuda", 0)
 PROBE = r"""
 #include <stddef.h>
@@ -54,10 +56,10 @@ def needs_vmm():
         pytest.skip(f"the CUDA driver here offers no VMM calls: {cuda_vmm._WHY_NOT}")
 
 
-def _free() -> int:
-    torch.cuda.synchronize()
+def _held() -> int:
+    """What this process holds on the device (NVML: the GPU tier's other processes do not move it)."""
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
+    return own_bytes()
 
 
 def test_structs_and_constants_are_laid_out_as_in_cuda_h(tmp_path):
@@ -83,14 +85,14 @@ def test_a_failed_map_releases_the_imported_allocation():
     (and the reserved range) must go, or the memory outlives both exporter and importer."""
     torch.empty(1, device=DEVICE)
     size = 64 * cuda_vmm.granularity(DEVICE)
-    base = _free()
+    base = _held()
     alloc = cuda_vmm.create(size, DEVICE)
     fd = cuda_vmm.export_fd(alloc)
     with pytest.raises(cuda_vmm.CudaVmmError, match="cuMemMap"):
         cuda_vmm.import_fd(os.dup(fd), 2 * size, DEVICE)
     os.close(fd)
     alloc.close()
-    assert base - _free() < size // 4, "the failed import kept the allocation alive"
+    assert _held() - base < size // 4, "the failed import kept the allocation alive"
 
 
 def test_a_vmm_arena_reports_its_allocation_size_everywhere():

@@ -164,13 +164,17 @@ class RankRunner:
         self.world.barrier()  # every rank has its weights and KV cache before rank 0 reports ready
 
     # -- a hot --respawn spare (engine/spare.py): everything but the KV cache before promotion ----
-    def prepare(self) -> None:
+    def prepare(self, mark=None) -> None:
         """Join, load (zero_copy: map the daemon's arena again) and tune, then run a warm-up forward
-        so kernels and libraries are loaded; no KV cache is kept. ``finish()`` sizes and allocates it."""
+        so kernels and libraries are loaded; no KV cache is kept. ``finish()`` sizes and allocates it.
+        ``mark(phase)``, if given, is called after each phase (weights, warm_up, graphs): a spare
+        measures its reserve phase by phase (engine/spare.py)."""
+        mark = mark or (lambda phase: None)
         try:
             self.world.join()
             self.load_models()
-            self.warm_up()
+            mark("weights")
+            self.warm_up(mark)
         except BaseException:
             self.close()
             raise
@@ -184,17 +188,17 @@ class RankRunner:
             self.close()
             raise
 
-    def warm_up(self) -> None:
+    def warm_up(self, mark=None) -> None:
         """A prefill of a few tokens and one decode step on every model, on a throw-away cache: the
         first forward loads kernels, libraries and workspaces (cuBLAS: ~0.2 s and ~130 MiB on an
         H200), which a spare pays while it waits instead of in its first answer. On the thread that
         will run the engine loop, whose per-thread library state it warms too (loop_thread.py)."""
         if self.thread is None:
             self.thread = LoopThread()
-        self.thread.call(self._warm_up)
+        self.thread.call(lambda: self._warm_up(mark or (lambda phase: None)))
 
     @torch.inference_mode()
-    def _warm_up(self) -> None:
+    def _warm_up(self, mark) -> None:
         for m in (self.model, self.draft):
             if m is None:
                 continue
@@ -202,10 +206,17 @@ class RankRunner:
             m(torch.zeros(WARM_UP_TOKENS, dtype=torch.long, device=self.device), 0, cache)
             m(torch.zeros(1, dtype=torch.long, device=self.device), WARM_UP_TOKENS, cache)
             del cache
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # The throw-away caches and activations go back to the device: the serving worker's plan
+            # counts this process's reserve, and blocks torch merely keeps cached would be counted too.
+            torch.cuda.empty_cache()
+        mark("warm_up")
         if self.tiled:  # the graphs' passes too, measured now rather than at promotion
             self._graph_pool(min(self.options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.cfg.shape.max_positions))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        mark("graphs")
 
     def load_models(self) -> None:
         """The models' weights and their tuned kernels, with nothing sized yet."""

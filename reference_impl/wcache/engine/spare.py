@@ -40,6 +40,7 @@ from wcache.engine.loading.lease import CacheLease  # noqa: E402,F401
 from wcache.engine.handed import HandedConnections  # noqa: E402
 from wcache.engine.heartbeat import Heartbeat  # noqa: E402
 from wcache.engine.respawn import BEAT_S, HEARTBEAT_TIMEOUT_S, SPARE_ENV  # noqa: E402
+from wcache.core.process_memory import process_device_bytes  # noqa: E402
 from wcache.engine.memory import format_bytes  # noqa: E402
 from wcache.engine.runner import RankRunner, die_with_parent  # noqa: E402
 from wcache.engine.served import ServedModel  # noqa: E402
@@ -66,6 +67,9 @@ SPARE_COLD_COPY = ("Spare engine worker pid {pid} waits cold: in copy mode the s
                    "the weights, so this spare loads them after its promotion")
 NO_NVML = ("NVML cannot read the free device memory ({error}); the spare reserve counts the warm-up and weights "
            "but not the CUDA context")
+RESERVE_PHASES = "Spare engine worker pid {pid} holds on the device after each phase (bytes): {phases}"
+NO_PROCESS_MEMORY = ("NVML cannot tell the device memory of this process alone; the spare reserve is the device's free "
+                     "memory before less after its preparation, which counts other processes' allocations meanwhile")
 SPARE_COLD_FAILED = "Spare engine worker pid {pid} could not prepare ({error}); it loads after its promotion"
 # A worker whose order was waiting when its imports were done (the first one, or one started when
 # no spare was left) was never a spare: it says so.
@@ -95,7 +99,8 @@ def warm_up() -> None:
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Free bytes on the device, read before this process creates a CUDA context where NVML can
-    (so the context counts in the reserve); None on CPU."""
+    (so the context counts in the reserve); None on CPU. The fallback when NVML cannot tell what
+    this one process holds (core/process_memory.py): other processes' allocations meanwhile count too."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else 0
@@ -107,6 +112,36 @@ def free_device_bytes(device: torch.device) -> int | None:
     except Exception as e:  # no NVML: the context's own cost is then not in the reserve
         log.warning(NO_NVML.format(error=e))
         return int(torch.cuda.mem_get_info(device)[0])
+
+
+class ReservePhases:
+    """The device memory this spare holds after each phase of its preparation, as NVML counts it for
+    this process alone (context, weights, warm-up, graphs): what the reserve is made of. Empty where
+    NVML cannot tell, and on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.index = device.index if device.index is not None else 0
+        self.held: dict[str, int] = {}
+
+    def mark(self, phase: str) -> None:
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize(self.device)
+        held = process_device_bytes(index=self.index)
+        if held is not None:
+            self.held[phase] = held
+
+    def context(self) -> None:
+        """Create this process's CUDA context now, alone, so its own cost is a phase of its own."""
+        if self.device.type == "cuda":
+            torch.empty(1, device=self.device)
+            self.mark("context")
+
+    @property
+    def total(self) -> int | None:
+        """What it holds while it waits: the last phase's figure."""
+        return list(self.held.values())[-1] if self.held else None
 
 
 def prepare(args, at_once: bool):
@@ -125,15 +160,22 @@ def prepare(args, at_once: bool):
             log.info(SPARE_COLD_FAILED.format(pid=os.getpid(), error="an engine of several ranks"))
             return None, {"warm": False, "cold": "several ranks"}
         before = free_device_bytes(runner.device)
-        runner.prepare()
+        phases = ReservePhases(runner.device)
+        phases.context()
+        runner.prepare(phases.mark)
     except Exception as e:  # a daemon gone, a file unreadable: the promotion tries again, cold, and says why
         log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=str(e).splitlines()[0] if str(e) else repr(e)))
         return None, {"warm": False, "cold": "prepare failed"}
-    if before is not None:
+    if phases.total is not None:  # what this process holds, whatever the others did meanwhile
+        runner.spare_reserve = phases.total
+        log.info(RESERVE_PHASES.format(pid=os.getpid(), phases=json.dumps(phases.held)))
+    elif before is not None:
+        log.warning(NO_PROCESS_MEMORY)
         runner.spare_reserve = max(0, before - int(torch.cuda.mem_get_info(runner.device)[0]))
     else:  # CPU: a context is free; the budget is host memory, where a disk copy of the weights counts
         runner.spare_reserve = sum(ld.report.nbytes - ld.report.external_bytes for ld in runner.loads)
-    fields = {"warm": True, "reserve_bytes": runner.spare_reserve, "device": str(runner.device),
+    fields = {"warm": True, "reserve_bytes": runner.spare_reserve, "reserve_phases": phases.held,
+              "device": str(runner.device),
               "prepare_s": round(time.monotonic() - t0, 3), "kv_cache": runner.kv_cache is not None,
               "weights": runner.report.source}
     log.info((PREPARED_AT_ONCE if at_once else SPARE_HOT).format(
