@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,14 +38,43 @@ def pytest_terminal_summary(terminalreporter) -> None:
     parallel.print_relayed(terminalreporter)
 
 
+SHARED_CHECKPOINTS_ENV = "WCACHE_TEST_CHECKPOINTS"  # tools/gpu_tier.sh: one directory for every worker
+
+
+def checkpoint(tmp_path_factory, name: str, preset: str, **options) -> Path:
+    """A checkpoint the tests read and never change: made once per run where the run shares a
+    directory among its workers (the GPU tier: a small checkpoint is 469 MiB, written by each of 8
+    workers otherwise), else once per process in its temporary directory. make_checkpoint is
+    deterministic, so every worker reads the same bytes either way."""
+    shared = os.environ.get(SHARED_CHECKPOINTS_ENV)
+    if not shared:
+        return make_checkpoint(tmp_path_factory.mktemp("ckpt") / name, preset, **options)
+    root = Path(shared)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker writes it; the others wait, then read it
+        if not (path / "config.json").exists():
+            partial = root / f".{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            make_checkpoint(partial, preset, **options)
+            partial.rename(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
+    return checkpoint(tmp_path_factory, "tiny", "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_tied_model(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-tied", "tiny", tie_embeddings=True)
+    return checkpoint(tmp_path_factory, "tiny-tied", "tiny", tie_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    return checkpoint(tmp_path_factory, "small", "small")
 
 
 @pytest.fixture

@@ -11,9 +11,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WORKERS=${GPU_WORKERS:-8}
 export WCACHE_RUN_GPU_BLOCKS=1 PYTHONUNBUFFERED=1
+# Each checkpoint the tests read is written once and shared by the workers (tests/conftest.py).
+WCACHE_TEST_CHECKPOINTS=$(mktemp -d "${TMPDIR:-/tmp}/wcache-gpu-tier.XXXXXX")
+export WCACHE_TEST_CHECKPOINTS
+trap 'rm -rf "$WCACHE_TEST_CHECKPOINTS"' EXIT
 if [ "$WORKERS" -le 1 ] || [ "$(id -u)" != 0 ]; then
   [ "$(id -u)" = 0 ] || echo "gpu_tier.sh: not root, so no network namespace per worker: one worker, one page after another" >&2
-  exec "$PY" -m pytest tests -m gpu -p no:cacheprovider -v -rfEs --durations=40 "$@"
+  "$PY" -m pytest tests -m gpu -p no:cacheprovider -v -rfEs --durations=40 "$@"
+  exit
 fi
-exec "$PY" -m pytest tests -m gpu -p no:cacheprovider --dist loadgroup \
+"$PY" -m pytest tests -m gpu -p no:cacheprovider --dist loadgroup \
   --tx "$WORKERS*popen//python=$PY $PWD/tools/gpu_worker.py" -v -rfEs --durations=40 "$@"

@@ -16,7 +16,6 @@ import pytest
 import torch
 from procs import Processes, call, complete
 
-from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.engine.loading.registry import load_weights
 from wcache.errors import LEASED_AGAIN
@@ -49,11 +48,6 @@ def gpu(tmp_path, wcache_env, transport):
     p.preload = lambda model, *extra, **kw: original(model, "--weight-cache-transport", transport, *extra, **kw)
     yield p
     p.stop_all()
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", "small")
 
 
 def _ids(port):

@@ -18,7 +18,6 @@ import torch
 from procs import Processes
 
 from wcache.bench.respawn import kill_under_load
-from wcache.core.checkpoint import make_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +33,8 @@ def compute_pids() -> set[int]:
 
 
 @pytest.mark.parametrize("transport", ["vmm_fd", "cuda_ipc"])
-def test_the_hot_spare_holds_its_context_and_reserve_and_takes_over_on_the_gpu(tmp_path, wcache_env, transport):
+def test_the_hot_spare_holds_its_context_and_reserve_and_takes_over_on_the_gpu(tmp_path, wcache_env, transport,
+                                                                               small_model):
     import json
 
     if transport == "vmm_fd":
@@ -42,7 +42,7 @@ def test_the_hot_spare_holds_its_context_and_reserve_and_takes_over_on_the_gpu(t
 
         if not cuda_vmm.available():
             pytest.skip(f"vmm_fd needs the CUDA driver's VMM calls: {cuda_vmm._WHY_NOT}")
-    model = make_checkpoint(tmp_path / "small", "small")
+    model = small_model
     procs = Processes(tmp_path, wcache_env, device="cuda")
     try:
         procs.preload(model, "--weight-cache-transport", transport)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from procs import Processes, private_env
 from wcache import cli
-from wcache.core.checkpoint import make_checkpoint
 
 
 
@@ -41,12 +40,6 @@ def module_procs(tmp_path_factory, module_env):
     p = Processes(tmp_path_factory.mktemp("procs"), module_env)
     yield p
     p.stop_all()
-
-
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory) -> Path:
-    """The `small` preset (about 470 MB): big enough that copies and maps differ measurably."""
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", "small")
 
 
 @pytest.fixture
