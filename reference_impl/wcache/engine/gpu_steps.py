@@ -74,6 +74,7 @@ class GpuSteps:
         self._runs: dict[tuple, int] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         self._staged = torch.cuda.Event()  # the last copy out of the host buffer
+        self.last_rows = 0  # rows the last decode step computed (the step's record, step_clock.py)
 
     def first_slot(self, slot: int) -> int:
         """The first slot of the tile that decodes ``slot``."""
@@ -93,6 +94,7 @@ class GpuSteps:
         for i, slot in enumerate(slots):
             by_tile.setdefault(self.first_slot(slot), []).append(i)
         parts, order = [], []
+        self.last_rows = len(by_tile) * self.rows
         for first, mine in by_tile.items():
             # Every running slot the tile covers gets its real token, its own or not. An idle row writes
             # its slot's last position, which no sequence reads before writing it itself: a sequence
