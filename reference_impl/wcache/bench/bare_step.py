@@ -69,11 +69,10 @@ def measure(model, rows: int) -> float:
     device = model.device
     s = model.shape
     shape = (rows, KV_LENGTH, s.num_kv_heads // s.tp_size, s.head_dim)
-    cache = [(torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
-             for _ in s.layer_range]
+    cache = [tuple(torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(2)) for _ in s.layer_range]
     ids = torch.zeros(rows, dtype=torch.long, device=device)
     positions = torch.full((rows, 1), KV_LENGTH - 1, dtype=torch.long, device=device)
-    step = lambda: plain_pass(model, ids, cache, positions)  # noqa: E731
+    step = lambda: plain_pass(model, ids, cache, positions)
     if device.type != "cuda":
         return _seconds(step, device, 5)
     side = torch.cuda.Stream(device)
@@ -86,7 +85,7 @@ def measure(model, rows: int) -> float:
     with torch.cuda.graph(graph):
         step()
     seconds = _seconds(graph.replay, device, REPLAYS)
-    del graph, cache
+    del graph
     torch.cuda.empty_cache()
     return seconds
 

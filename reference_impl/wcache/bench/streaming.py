@@ -194,10 +194,11 @@ BARE_STEP_TIMEOUT_S = 240  # a llama-8b read again from the page cache, and two 
 def bare_step(model: str, device: str, dtype: str | None) -> dict:
     """The same model's bare decode step (bench/bare_step.py), in a process of its own once the
     server is gone; its figures null, with the reason, where it failed."""
-    cmd = [sys.executable, "-m", "wcache.bench.bare_step", model, "--device", device, *(["--dtype", dtype] if dtype else [])]
+    cmd = [sys.executable, "-m", "wcache.bench.bare_step", model, "--device", device,
+           *(["--dtype", dtype] if dtype else [])]
     null = {"tokens_per_s_1": None, "tokens_per_s_64": None}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BARE_STEP_TIMEOUT_S)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=BARE_STEP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {**null, "null_because": f"timed out after {BARE_STEP_TIMEOUT_S} s"}
     if done.returncode != 0 or not done.stdout.strip():

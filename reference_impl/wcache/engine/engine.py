@@ -10,6 +10,7 @@ ranks (supervisor.py), load and size memory on every rank, then serve.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,7 +34,13 @@ from wcache.engine.runner import (
     RankRunner,
     rank_spec,
 )
-from wcache.engine.sampling import GREEDY, Sampler, SamplingParams, greedy_picks, pick_rows
+from wcache.engine.sampling import (
+    GREEDY,
+    Sampler,
+    SamplingParams,
+    greedy_picks,
+    pick_rows,
+)
 from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextStream
@@ -256,7 +263,8 @@ class Engine:
         if r.draft is not None:  # one slot: at most one sequence, a draft-then-verify round
             for seq in rows:
                 before = (r.proposed, r.accepted)
-                new = self._pass("decode_pass", lambda: r.speculate(seq.slot, seq.prompt + seq.out, seq.lens), None)
+                speculate = functools.partial(r.speculate, seq.slot, seq.prompt + seq.out, seq.lens)
+                new = self._pass("decode_pass", speculate, None)
                 decoded += 1
                 seq.spec[0] += r.proposed - before[0]
                 seq.spec[1] += r.accepted - before[1]
@@ -268,8 +276,9 @@ class Engine:
                 # Every row sampled before any is handed on: a handed token wakes its request's
                 # thread, which then holds the GIL between the sampler's PyTorch calls (16 prompts
                 # on a 2-core CPU: their first tokens went out over 5 ms instead of at once).
-                toks = self._pass("prompt_pass", lambda: r.run(TARGET, [s.slot for s in group], [0] * len(group),
-                                                               [s.prompt for s in group]), group)
+                run = functools.partial(r.run, TARGET, [s.slot for s in group], [0] * len(group),
+                                        [s.prompt for s in group])
+                toks = self._pass("prompt_pass", run, group)
                 prompts += 1
                 for seq, tok in zip(group, toks):
                     self._emit(seq, [tok])
@@ -281,8 +290,9 @@ class Engine:
             rows = [s for s in rows if s.slot >= 0 and s not in joined]
             batches = [[s] for s in rows] if self.row_by_row else [rows] if rows else []
             for batch in batches:  # one decode pass for every running sequence
-                toks = self._pass("decode_pass", lambda: r.run(TARGET, [s.slot for s in batch], [s.position for s in batch],
-                                                               [[s.out[-1]] for s in batch]), batch)
+                run = functools.partial(r.run, TARGET, [s.slot for s in batch], [s.position for s in batch],
+                                        [[s.out[-1]] for s in batch])
+                toks = self._pass("decode_pass", run, batch)
                 decoded += len(batch)
                 graph_rows += r.gpu.last_rows if r.gpu is not None else len(batch)
                 for seq, tok in zip(batch, toks):
