@@ -104,3 +104,18 @@ def test_a_request_that_joins_a_decoding_batch_keeps_its_tokens(graphed):
     t.join(120)
     assert joined_while_decoding, "the short request did not join while the long one decoded"
     assert tokens_of([out["long"], out["short"]]) == tokens_of(alone)
+
+
+def test_the_steps_record_gpu_time_idle_time_and_row_buckets(graphed):
+    # engine/step_clock.py on a GPU: CUDA events give each busy period's device time and the idle
+    # between steps; a lone request computes 1 row a step (its bucket), a batch more.
+    graphed.generate("A lone one", 12)
+    lone = graphed.clock.as_json()["busy_periods"][-1]["decode_steps"]
+    assert lone["rows"] == 1 and lone["graph_rows"] == 1, lone
+    together(lambda i: graphed.generate(*REQUESTS[i]), len(REQUESTS))
+    many = graphed.clock.as_json()["busy_periods"][-1]
+    for p in (lone, many, many["decode_steps"]):
+        assert p["gpu_ms"] > 0 and p["gpu_idle_ms"] is not None and p["gpu_idle_ms"] >= 0, p
+        assert 0 < p["host_ms"] <= p["step_ms"] and p["profile"]["gpu_wait_ms"] > 0, p
+    assert many["decode_steps"]["rows"] > 1 and many["decode_steps"]["graph_rows"] >= many["decode_steps"]["rows"]
+    assert "gpu_null_because" not in graphed.clock.as_json()

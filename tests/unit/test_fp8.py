@@ -290,3 +290,40 @@ def test_the_cache_key_names_the_quantization_fields_that_differ(fp8_tiny, tiny_
     # the same digest on purpose: the block size alone is a field of its own
     assert mismatched_fields(cache_key(a, "d"), cache_key(b, "d")) == ["quantization_config"]
     assert mismatched_fields(cache_key(a, "d"), cache_key(online, "d")) == ["quantization_config"]
+
+
+def _old_quantize_1x128(x):  # model/fp8.py at f4ffa20: 9 kernels
+    m, k = x.shape
+    tiles = x.float().view(m, k // 128, 128)
+    scale = (tiles.abs().amax(dim=2) / fp8.FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8).view(m, k)
+    return q, scale.t().contiguous().t()
+
+
+def _old_quantize_rows(xp):
+    xp = xp.float()
+    xs = (xp.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX).clamp(min=1e-12)
+    return (xp / xs).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), xs
+
+
+def _activations(m: int, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-8, 8, m)[:, None]  # tiny to huge rows
+    x[0] = 0  # an all-zero row: the smallest scale
+    x[1, ::128] = 3.0e38  # a block's maximum at bfloat16's top
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [4, 8, 64])
+def test_the_fewer_kernels_activation_quantization_gives_the_same_bits(m):
+    # The decode step's FP8 activations in 5 kernels instead of 9 (model/fp8.py): the same bytes and
+    # scales as before, so every FP8 token stays what it was; the scales still outer-dim-major.
+    x = _activations(m, 512)
+    q, s = fp8.quantize_activation_1x128(x)
+    q0, s0 = _old_quantize_1x128(x)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert s.stride() == (1, m)
+    r, rs = fp8.quantize_activation_rows(x)
+    r0, rs0 = _old_quantize_rows(x)
+    assert torch.equal(r.view(torch.uint8), r0.view(torch.uint8)) and torch.equal(rs, rs0)
+    assert torch.equal(fp8._pad_rows(x[:3]), torch.cat([x[:3], x.new_zeros(1, 512)]))

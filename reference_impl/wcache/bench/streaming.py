@@ -13,6 +13,14 @@ The engine batches the clients (continuous batching): each joins at the next ste
 ``--vs-one`` the same run first times a lone client on the idle engine and prints the clients'
 aggregate tokens/s and time-to-first-token p99 as multiples of its, with the engine's own per-step
 figures (logged when it stops): the step, the forward passes in it, and the overhead between.
+
+Every run also records what a step is made of (``step_profile``, engine/step_clock.py: per step the
+device's time from CUDA events, the device idle between steps, host time, the engine thread's CPU
+time, rows, and the host time by phase), for the clients' burst and the lone client's last run,
+printed as a table; and, once the server is gone, the same model's bare decode step with no server
+(``bare_step``, bench/bare_step.py: a CUDA graph of one plain pass at 1 and 64 rows, KV length 512;
+eager on CPU), the rate each step is measured against (``vs_bare``: the decode tokens/s as a share
+of it).
 """
 
 from __future__ import annotations
@@ -127,11 +135,76 @@ def decode_rate(streams: list[dict]) -> float:
     return sum(r["tokens"] - 1 for r in streams) / (end - start)
 
 
-def engine_steps(log_path: Path) -> dict | None:
+def engine_steps(log_path: Path, marker: str = "Engine steps (ms per step): ") -> dict | None:
     """The engine's own per-step figures, logged when it stops (engine.STEP_STATS)."""
-    marker = "Engine steps (ms per step): "
     lines = [line for line in log_path.read_text(errors="replace").splitlines() if marker in line]
     return json.loads(lines[-1].split(marker, 1)[1]) if lines else None
+
+
+def step_profile(log_path: Path, vs_one: bool) -> dict | None:
+    """What a step costs and where its time goes (engine/step_clock.py), for the clients' burst and,
+    with ``--vs-one``, the lone client's last run: the engine's last two busy periods (it goes idle
+    between the bench's requests, and the burst's streams all end in its last one)."""
+    logged = engine_steps(log_path, "Engine step profile: ")
+    if not logged or not logged["busy_periods"]:
+        return None
+    periods = logged["busy_periods"]
+    out = {"clients": periods[-1]}
+    if vs_one and len(periods) > 1:
+        out["one_client"] = periods[-2]
+    if "gpu_null_because" in logged:
+        out["gpu_null_because"] = logged["gpu_null_because"]
+    return out
+
+
+STEP_COLUMNS = (("steps", "steps"), ("rows", "rows"), ("graph_rows", "graph rows"), ("step_ms", "step ms"),
+                ("gpu_ms", "GPU ms"), ("gpu_idle_ms", "GPU idle"), ("host_ms", "host ms"), ("cpu_ms", "CPU ms"))
+
+
+def step_table(record: dict) -> str:
+    """The bench's table of a step: per phase of the run (all steps, then decode-only steps), the
+    step's figures and the host time's profile, in ms per step; then the bare step's rate."""
+    prof = record.get("step_profile") or {}
+    rows = []
+    for who in ("one_client", "clients"):
+        for kind, p in (("all", prof.get(who)), ("decode", (prof.get(who) or {}).get("decode_steps"))):
+            if not p:
+                continue
+            cells = ["-" if p[k] is None else f"{p[k]:g}" for k, _ in STEP_COLUMNS]
+            where = " ".join(f"{k[:-3]} {v:g}" for k, v in p["profile"].items())
+            rows.append(f"{who:>10} {kind:>6} | " + " | ".join(f"{c:>10}" for c in cells) + f" | {where}")
+    head = f"{'run':>10} {'steps':>6} | " + " | ".join(f"{h:>10}" for _, h in STEP_COLUMNS) + " | host profile (ms)"
+    lines = [head, *rows]
+    if prof.get("gpu_null_because"):
+        lines.append(f"GPU columns null: {prof['gpu_null_because']}")
+    bare = record.get("bare_step")
+    if bare:
+        share = record.get("vs_bare")
+        lines.append(f"bare step ({bare['mode']}): 1 row {bare['tokens_per_s_1']} tokens/s, "
+                     f"64 rows {bare['tokens_per_s_64']} tokens/s" + (
+                         f"; decode tokens/s as a share of it: one client {share['one_client']}, "
+                         f"clients {share['clients']}" if share else "")
+                     if bare.get("tokens_per_s_1") is not None else f"bare step: null ({bare.get('null_because')})")
+    return "\n".join(lines)
+
+
+BARE_STEP_TIMEOUT_S = 240  # a llama-8b read again from the page cache, and two graphs
+
+
+def bare_step(model: str, device: str, dtype: str | None) -> dict:
+    """The same model's bare decode step (bench/bare_step.py), in a process of its own once the
+    server is gone; its figures null, with the reason, where it failed."""
+    cmd = [sys.executable, "-m", "wcache.bench.bare_step", model, "--device", device,
+           *(["--dtype", dtype] if dtype else [])]
+    null = {"tokens_per_s_1": None, "tokens_per_s_64": None}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=BARE_STEP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {**null, "null_because": f"timed out after {BARE_STEP_TIMEOUT_S} s"}
+    if done.returncode != 0 or not done.stdout.strip():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**null, "null_because": f"exited with {done.returncode}: {last}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def ratios(record: dict) -> dict | None:
@@ -177,12 +250,19 @@ def run(model: str, clients: int, max_tokens: int, workdir: Path, vs_one: bool =
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()  # its device memory is free before the bare step's process takes some
     complete = [r for r in results if r.get("done")]
+    bare = bare_step(model, device, dtype)
     extra = {}
     if vs_one:
         extra = {"one_client": one, "tokens_per_s": round(sum(r["tokens"] for r in complete) / wall, 2),
                  "decode_tokens_per_s": round(decode_rate(complete), 2),
                  "engine_steps": engine_steps(workdir / "engine.log")}
+    extra["step_profile"] = step_profile(workdir / "engine.log", vs_one)
+    extra["bare_step"] = bare
+    if vs_one and one and bare.get("tokens_per_s_1"):  # the share of the bare step's rate each reached
+        extra["vs_bare"] = {"one_client": round(one["decode_tokens_per_s"] / bare["tokens_per_s_1"], 3),
+                            "clients": round(extra["decode_tokens_per_s"] / bare["tokens_per_s_64"], 3)}
     ttfts = [r["ttft_s"] for r in complete if r["ttft_s"] is not None]
     requests = [r["request_s"] for r in complete]
     return {
@@ -241,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{record['decode_tokens_per_s']} vs {one['decode_tokens_per_s']}: x{r['decode_tokens_per_s']}), "
               f"time to first token p99 x{r['ttft_p99']}; engine step {steps.get('step_ms')} ms = forward {steps.get('forward_ms')} ms "
               f"+ overhead {steps.get('overhead_ms')} ms", file=sys.stderr)
+    print(step_table(record), file=sys.stderr)
     bad = problems(record)
     for b in bad:
         print(f"unfit record: {b}", file=sys.stderr)

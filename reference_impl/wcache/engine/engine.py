@@ -10,6 +10,7 @@ ranks (supervisor.py), load and size memory on every rank, then serve.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,8 +34,15 @@ from wcache.engine.runner import (
     RankRunner,
     rank_spec,
 )
-from wcache.engine.sampling import GREEDY, Sampler, SamplingParams, pick_rows
+from wcache.engine.sampling import (
+    GREEDY,
+    Sampler,
+    SamplingParams,
+    greedy_picks,
+    pick_rows,
+)
 from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
+from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
 from wcache.errors import STREAM_OVERFLOW, ParallelConfigError
@@ -48,8 +56,10 @@ KEEPALIVE_S = 60.0
 STREAM_BUFFER_TOKENS = 256
 GIL_SWITCH_S = 0.0005  # a GPU engine's Python thread switch interval (sys.setswitchinterval)
 
-# Logged when the engine stops; the HTTP bench reads it (what the loop adds to the forward passes).
+# Logged when the engine stops; the HTTP bench reads them (what the loop adds to the forward passes,
+# and where a step's time goes: step_clock.py).
 STEP_STATS = "Engine steps (ms per step): {json}"
+STEP_PROFILE = "Engine step profile: {json}"
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,7 @@ class Engine:
         # (tests/integration/test_batching.py, tests/unit/test_model.py).
         self.row_by_row = self.cfg.device == "cpu" and runner.model.dtype != torch.bfloat16
         self.stats = StepStats()
+        self.clock = StepClock(runner.device)
         self.closed = False
         self._close_lock = threading.Lock()
         if runner.gpu is not None:
@@ -222,6 +233,8 @@ class Engine:
         r = self.runner
         try:
             while True:
+                self.clock.begin()
+                busy = self.scheduler.num_running() > 0  # the last step left sequences running
                 step = self.scheduler.next_step(KEEPALIVE_S)
                 if step is None:
                     return  # closed
@@ -229,6 +242,7 @@ class Engine:
                     if r.world.size > 1:
                         r.send_op(OP_KEEPALIVE)
                     continue
+                self.clock.scheduled(busy)
                 self._step(step)
         except BaseException as e:  # a lost peer: every request still here fails, new ones are refused
             if isinstance(e, RuntimeError):
@@ -240,7 +254,8 @@ class Engine:
 
     def _step(self, step) -> None:
         r, t0 = self.runner, time.perf_counter()
-        forward = 0.0
+        self._forward = 0.0
+        decoded = graph_rows = prompts = 0
         for seq in step.running:  # leave first: requests whose thread stopped reading
             if seq.cancelled:
                 self._finish(seq, "cancelled")
@@ -248,9 +263,9 @@ class Engine:
         if r.draft is not None:  # one slot: at most one sequence, a draft-then-verify round
             for seq in rows:
                 before = (r.proposed, r.accepted)
-                f0 = time.perf_counter()
-                new = r.speculate(seq.slot, seq.prompt + seq.out, seq.lens)
-                forward += time.perf_counter() - f0
+                speculate = functools.partial(r.speculate, seq.slot, seq.prompt + seq.out, seq.lens)
+                new = self._pass("decode_pass", speculate, None)
+                decoded += 1
                 seq.spec[0] += r.proposed - before[0]
                 seq.spec[1] += r.accepted - before[1]
                 self._emit(seq, new)
@@ -258,13 +273,14 @@ class Engine:
             for group in prompt_groups([s for s in step.joining if s.slot >= 0], r.max_model_len,
                                        together=r.gpu is None and not self.row_by_row):
                 # Joining requests' prompts (their first tokens): prompts of one length share a pass.
-                f0 = time.perf_counter()
-                logits = r.run(TARGET, [s.slot for s in group], [0] * len(group), [s.prompt for s in group])
-                forward += time.perf_counter() - f0
                 # Every row sampled before any is handed on: a handed token wakes its request's
                 # thread, which then holds the GIL between the sampler's PyTorch calls (16 prompts
                 # on a 2-core CPU: their first tokens went out over 5 ms instead of at once).
-                for seq, tok in zip(group, pick_rows([s.sampler for s in group], logits)):
+                run = functools.partial(r.run, TARGET, [s.slot for s in group], [0] * len(group),
+                                        [s.prompt for s in group])
+                toks = self._pass("prompt_pass", run, group)
+                prompts += 1
+                for seq, tok in zip(group, toks):
                     self._emit(seq, [tok])
             # Sequences that joined now decode from the next step: a step with prompts in it ends
             # sooner, so requests that arrived meanwhile join one step earlier (16 streaming clients
@@ -274,20 +290,46 @@ class Engine:
             rows = [s for s in rows if s.slot >= 0 and s not in joined]
             batches = [[s] for s in rows] if self.row_by_row else [rows] if rows else []
             for batch in batches:  # one decode pass for every running sequence
-                f0 = time.perf_counter()
-                logits = r.run(TARGET, [s.slot for s in batch], [s.position for s in batch],
-                               [[s.out[-1]] for s in batch])
-                forward += time.perf_counter() - f0
-                for seq, tok in zip(batch, pick_rows([s.sampler for s in batch], logits)):
+                run = functools.partial(r.run, TARGET, [s.slot for s in batch], [s.position for s in batch],
+                                        [[s.out[-1]] for s in batch])
+                toks = self._pass("decode_pass", run, batch)
+                decoded += len(batch)
+                graph_rows += r.gpu.last_rows if r.gpu is not None else len(batch)
+                for seq, tok in zip(batch, toks):
                     self._emit(seq, [tok])
         st = self.stats
         st.steps += 1
         st.step_s += time.perf_counter() - t0
-        st.forward_s += forward
+        st.forward_s += self._forward
+        self.clock.end(decoded, graph_rows, prompts, busy_after=self.scheduler.num_running() > 0)
+
+    def _pass(self, phase: str, run, seqs: list[Sequence] | None):
+        """``run()``, one forward pass (or a speculative round, ``seqs`` None: its tokens), and the
+        tokens sampled from its logits for ``seqs``, each part timed on the step's clock."""
+        clock = self.clock
+        clock.device_begin()
+        f0 = time.perf_counter()
+        out = run()
+        f1 = time.perf_counter()
+        self._forward += f1 - f0
+        clock.add(phase, f1 - f0)
+        greedy = greedy_picks([s.sampler for s in seqs], out) if seqs is not None else None
+        waited = clock.device_end()  # (after the argmax, so the device's time includes it)
+        if seqs is not None:
+            out = pick_rows([s.sampler for s in seqs], out, greedy)
+        clock.add("sample", time.perf_counter() - f1 - waited)
+        return out
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         """Hand new tokens to the request's thread; end the sequence at EOS, max_tokens, or when
         its thread is too far behind."""
+        t0 = time.perf_counter()
+        try:
+            self._hand(seq, tokens)
+        finally:
+            self.clock.add("hand", time.perf_counter() - t0)
+
+    def _hand(self, seq: Sequence, tokens: list[int]) -> None:
         for tok in tokens:
             seq.out.append(tok)
             self.stats.tokens += 1
@@ -318,6 +360,7 @@ class Engine:
         self._loop_thread.join(60.0)  # the step under way ends; then no other thread talks to the ranks
         if self.stats.steps:
             log.info(STEP_STATS.format(json=json.dumps(self.stats.as_json(), sort_keys=True)))
+            log.info(STEP_PROFILE.format(json=json.dumps(self.clock.as_json(), sort_keys=True)))
         try:
             self.runner.send_op(OP_STOP)
         except RuntimeError:

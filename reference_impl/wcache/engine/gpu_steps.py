@@ -1,26 +1,60 @@
-"""A GPU engine's forward passes as CUDA graphs: decode steps in tiles of slots, short prompts padded.
+"""A GPU engine's forward passes as CUDA graphs: decode steps at a bucket of rows, short prompts padded.
 
 An eager forward pass of a llama-8b is some 1,300 small kernel launches, each paid in Python on the
 engine thread, which shares the GIL with every HTTP thread: on an H200 a decode step took 20-23 ms
 of host time for 6-9 ms of GPU work. A CUDA graph launches the whole pass at once.
 
-A graph has fixed shapes, which also settles what batching may not change: the GPU's matrix
-kernels are chosen by the number of rows, so a pass whose row count depended on the batch could
-give a request different tokens in a batch than alone. Here no pass does:
+A graph has fixed shapes, which also settles what batching may not change: the GPU's kernels are
+chosen by shape, so a pass whose shape depended on the batch could give a request different tokens
+in a batch than alone. Here a pass's shape depends on which slots run, and every kernel is proven
+(or padded) to compute a row the same way at each shape (row_floors.py):
 
-* A decode step decodes a *tile*: ``rows`` consecutive KV cache slots (model/llama.py ``Tile``),
-  idle ones included, over the first ``length`` positions of their slots, ``length`` a bucket (a
-  power of two from 256, at most the slot). Tiles are ``min(TILE_ROWS, slots)`` wide and start at
-  multiples of that width; the last one ends at the last slot (it may overlap the one before: a
-  slot in both is decoded twice, identically, and its logits are taken once).
+* A decode step decodes, per *tile* of ``min(TILE_ROWS, slots)`` consecutive KV cache slots (tiles
+  start at multiples of that width; the last one ends at the last slot and may overlap the one
+  before: a slot in both is decoded twice, identically, and its logits are taken once), the tile's
+  first ``rows`` slots up to its last running one, ``rows`` a bucket (1, 2, 4, ... the tile): a slot
+  is a row (model/llama.py ``Tile``), idle ones inside the bucket included, each over the first
+  ``length`` positions of its own slot, ``length`` a bucket too (a power of two from FIRST_BUCKET, at
+  most the slot), the keys past its position masked. The scheduler hands out the lowest free slot,
+  so the running slots stay packed at the bottom and a lone request decodes 1 row.
 * A prompt runs alone, padded to a bucket of its length (16, 32, ... PROMPT_GRAPH_MAX; the padding
   comes after it, and a causal pass never lets a position see later ones); a longer prompt runs
   eagerly at its own length. Either way its pass is the one it gets alone.
 
-One graph per (first slot, length) and per prompt bucket, captured the third time it is needed
-(the first two run eagerly, the same kernels: warm-up), replayed from then on. All graphs share one
-memory pool and copy their logits into buffers of their own, so holding many costs no more device
-memory than the largest (``pool_bytes``, in the memory plan).
+What each shape costs, and why (one H100 80GB HBM3, torch 2.11.0+cu130, random llama-8b-shaped
+bfloat16 weights, 2026-12-07: shared/reference/h100-2026-12-07, graph-probe.json and
+decode-probe-f4ffa20.txt):
+
+* The projections read every weight once per pass whatever its rows: 16 GB at 3.35 TB/s is 4.8 ms.
+  Measured, the linears alone: 5.93 ms at 1 row, 6.41 ms at 64. Up to 64 rows a row costs almost
+  nothing here; it is why a tile is 64 wide (TILE_ROWS) and why a lone row cannot get much below 6 ms.
+* Attention reads each row's keys and values up to its length bucket: rows x length x 8 key heads x
+  128 x 2 (keys, values) x 2 bytes per layer, whatever the row's own position. At 64 rows and 1,024
+  keys that is 268 MB a layer, 8.6 GB a pass; the masked memory-efficient kernel took 0.146 ms a layer
+  there (4.7 ms a pass; cuDNN 0.123, the math kernel 0.958). So the old fixed tile (64 rows, at least
+  256 keys, f4ffa20) made a lone request pay 64 rows of attention and of projections; a bucket of 1
+  row over 64 keys reads about 8 MB of keys and values a pass.
+* A plain graph of the whole step (no tile, no mask, 512 keys) replayed in 6.06 ms at 1 row and
+  7.91 ms at 64; the engine's 64-row tile at 1,024 keys in 12.8 ms, about its 12.28 ms step in the
+  streaming record of f4ffa20. Past the projections and attention, the rest is the small kernels
+  of norms, RoPE, the cache writes and the residual adds, a few microseconds each of device time
+  whatever the rows; the streaming record's step_profile (step_clock.py) measures the step as the
+  engine runs it, and bench/bare_step.py the plain step beside it, in the same run.
+* Row invariance, measured there: row 0 of a 14336x4096 GEMM bit-identical at 1, 8, 64, 128, 256
+  and 512 rows; the memory-efficient and cuDNN attention's row 0 identical at 1 row/512 keys and
+  64 rows/1,024 keys (and masked keys equal to none). The engine checks every kernel of its own pass
+  at start-up (row_floors.py: every projection shape and quantization, the LM head, RMSNorm, the
+  masked attention and its key padding) and pads a kernel that sums a row differently below some row
+  count to that count (a WARNING names it; the attention then reads that many slots); key buckets
+  collapse to the whole slot if attention changes a row with padded keys. No GPU run has checked
+  every llama-8b kernel yet: tests/gpu/test_row_buckets_gpu.py prints the floors it finds, and fails
+  if a row's logits differ between buckets.
+
+One graph per (first slot, rows, length) and per prompt bucket, captured the third time it is
+needed (the first two run eagerly, the same kernels: warm-up), replayed from then on (a capture
+took 12 ms for a plain step, 34 ms for the tile). All graphs share one memory pool and copy their
+logits into one buffer, so holding many costs no more device memory than the largest
+(``pool_bytes``, in the memory plan).
 """
 
 from __future__ import annotations
@@ -30,12 +64,13 @@ import logging
 
 import torch
 
+from wcache.engine import row_floors
 from wcache.model.llama import Llama, Tile
 
 log = logging.getLogger("wcache.engine")
 
 TILE_ROWS = 64  # an H200 reads a llama-8b's weights once per step for up to 64 rows at almost no extra cost
-FIRST_BUCKET = 256  # the shortest key length a decode graph attends over
+FIRST_BUCKET = 64  # the shortest key length a decode graph attends over
 PROMPT_GRAPH_MIN, PROMPT_GRAPH_MAX = 16, 512  # prompt buckets; longer prompts run eagerly
 EAGER_RUNS = 2  # runs of a shape before its graph is captured
 
@@ -63,7 +98,6 @@ class GpuSteps:
         width = max(2 * self.rows, self.prompt_max + 2)
         self._host = torch.zeros(width, dtype=torch.long).pin_memory()
         self._inputs = torch.zeros(width, dtype=torch.long, device=device)
-        self.tokens, self.positions = self._inputs[: self.rows], self._inputs[self.rows : 2 * self.rows]
         self.prompt_ids, self.prompt_slot, self.prompt_last = (
             self._inputs[: self.prompt_max], self._inputs[self.prompt_max : self.prompt_max + 1],
             self._inputs[self.prompt_max + 1 : self.prompt_max + 2])
@@ -73,7 +107,13 @@ class GpuSteps:
         self._captured: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._runs: dict[tuple, int] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        # Every kernel of a decode pass proven (or padded) to give a row the same result at every row
+        # bucket, on this device, before the first step (row_floors.py).
+        self.floors = row_floors.floors(model, self.rows, min(4 * FIRST_BUCKET, max(self.slot_len // 2, 1)))
+        self.first_bucket = FIRST_BUCKET if self.floors.lengths_invariant else self.slot_len
+        torch.cuda.empty_cache()  # the checks' scratch goes back to the device, for the graphs' pool
         self._staged = torch.cuda.Event()  # the last copy out of the host buffer
+        self.last_rows = 0  # rows the last decode step computed (the step's record, step_clock.py)
 
     def first_slot(self, slot: int) -> int:
         """The first slot of the tile that decodes ``slot``."""
@@ -93,6 +133,7 @@ class GpuSteps:
         for i, slot in enumerate(slots):
             by_tile.setdefault(self.first_slot(slot), []).append(i)
         parts, order = [], []
+        self.last_rows = 0
         for first, mine in by_tile.items():
             # Every running slot the tile covers gets its real token, its own or not. An idle row writes
             # its slot's last position, which no sequence reads before writing it itself: a sequence
@@ -100,12 +141,17 @@ class GpuSteps:
             # its keys. (Position 0, at b43d6f0, overwrote that prompt's first key: a request's tokens
             # then depended on when it joined, and 1 of 64 llama-8b streams matched on an H100.)
             inside = [i for i, slot in enumerate(slots) if first <= slot < first + self.rows]
-            toks, pos = [0] * self.rows, [self.slot_len - 1] * self.rows
+            # The tile's first rows, up to its last running slot, a bucket of them: the pass's work
+            # grows with the slots in use (the scheduler gives out the lowest free slot first).
+            n = bucket(max(slots[i] for i in inside) - first + 1, 1, self.rows)
+            toks, pos = [0] * n, [self.slot_len - 1] * n
             for i in inside:
                 toks[slots[i] - first], pos[slots[i] - first] = tokens[i], starts[i]
             self._stage(toks + pos)
-            length = bucket(max(starts[i] for i in inside) + 1, FIRST_BUCKET, self.slot_len)
-            self._run(("decode", first, length), functools.partial(self._decode_tile, first, length), self.logits)
+            length = bucket(max(starts[i] for i in inside) + 1, self.first_bucket, self.slot_len)
+            self._run(("decode", first, n, length), functools.partial(self._decode_tile, first, n, length),
+                      self.logits[:n])
+            self.last_rows += n
             rows = [slots[i] - first for i in mine]
             if rows == list(range(rows[0], rows[0] + len(rows))):  # the usual case: a slice, no index
                 parts.append(self.logits[rows[0] : rows[0] + len(rows)].clone())
@@ -117,11 +163,13 @@ class GpuSteps:
             out = out[torch.tensor(sorted(range(len(order)), key=order.__getitem__))]
         return out
 
-    def _decode_tile(self, first: int, length: int) -> torch.Tensor:
-        tile = self._tiles.get((first, length))
+    def _decode_tile(self, first: int, rows: int, length: int) -> torch.Tensor:
+        tile = self._tiles.get((first, rows, length))
         if tile is None:
-            tile = self._tiles[(first, length)] = Tile(first, self.rows, length, self.logits.device)
-        return self.model.decode_tile(self.tokens, self.positions, tile, self.cache)
+            tile = self._tiles[(first, rows, length)] = Tile(first, rows, length, self.logits.device,
+                                                             attn_rows=self.floors.rows["attention"])
+        # The staged inputs: ``rows`` tokens, then their positions (_stage).
+        return self.model.decode_tile(self._inputs[:rows], self._inputs[rows : 2 * rows], tile, self.cache)
 
     # -- prompts --------------------------------------------------------------------------------
     def prompt(self, slot: int, tokens: list[int]) -> torch.Tensor | None:
@@ -180,8 +228,8 @@ def pool_bytes(model: Llama, num_slots: int, slot_len: int) -> int:
     # allocator's cache, where the KV cache's tensors might not fit them and a spare would count them.
     torch.cuda.empty_cache()
     outputs = (rows + 1) * model.shape.vocab_size * 4
-    # Each decode graph keeps its tile's mask (a byte per key per row) and key positions: the
-    # buckets of one tile add up to less than twice the slot.
+    # Each decode graph keeps its tile's mask (a byte per key per row) and key positions: the length
+    # buckets of one row bucket add up to less than twice the slot, the row buckets to twice the tile.
     tiles = -(-num_slots // rows)
-    masks = tiles * 2 * slot_len * (rows + 8)
+    masks = tiles * 2 * slot_len * (2 * rows + 8 * len(row_floors.buckets(rows)))
     return max(peaks) + outputs + masks

@@ -77,9 +77,17 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def pick_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """One token per row of ``logits`` (B, vocab): one argmax for the whole batch when every row
-    is greedy (the common case, and one device-to-host copy), else each row by its own sampler."""
-    if all(s.generator is None for s in samplers):
-        return logits.argmax(dim=-1).tolist()
+def greedy_picks(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor | None:
+    """The batch's tokens as one argmax on the logits' device when every row is greedy (the common
+    case: one kernel queued behind the pass, one device-to-host copy later), else None."""
+    return logits.argmax(dim=-1) if all(s.generator is None for s in samplers) else None
+
+
+def pick_rows(samplers: list[Sampler], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[int]:
+    """One token per row of ``logits`` (B, vocab): ``greedy_picks`` (or ``greedy``, what it gave)
+    when every row is greedy, else each row by its own sampler."""
+    if greedy is None:
+        greedy = greedy_picks(samplers, logits)
+    if greedy is not None:
+        return greedy.tolist()
     return [s.pick(row) for s, row in zip(samplers, logits)]

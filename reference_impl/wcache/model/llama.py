@@ -13,8 +13,8 @@ first stage the embedding and the last one the final norm and the LM head.
 
 from __future__ import annotations
 
-import mmap
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,13 @@ def row_sizes(most: int) -> list[int]:
     return sorted(small | set(range(2 * ROW_STEP, top + 1, ROW_STEP)))
 
 
+def at_least_rows(x: torch.Tensor, project, rows: int) -> torch.Tensor:
+    """``project(x)`` over at least ``rows`` rows (zero rows added, their results dropped): a GPU
+    kernel whose result for a row depends on how few rows run with it (engine/row_floors.py)."""
+    n = x.shape[0]
+    return project(x) if n >= rows else project(F.pad(x, (0, 0, 0, rows - n)))[:n]
+
+
 def pad_rows(x: torch.Tensor, project, limit: int) -> torch.Tensor:
     """``project(x)``, with x's rows padded (zeros) to ``padded_rows`` if that is at most ``limit``
     (the padding's rows dropped from the result)."""
@@ -128,8 +135,11 @@ class Linear(nn.Module):
         self.compute_dtype = dtype
         self.impl = "linear"  # the autotuner may choose another implementation
         self.pad_limit = 0  # rows padded up to this many (CPU, bfloat16; see padded_rows): Llama.warm_rows
+        self.min_rows = 0  # GPU decoding: rows padded to at least this many (engine/row_floors.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.min_rows:
+            return at_least_rows(x, self._project, self.min_rows)
         return pad_rows(x, self._project, self.pad_limit) if self.pad_limit else self._project(x)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +159,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.empty(dim, dtype=dtype))
         self.eps = eps
+        self.min_rows = 0  # GPU decoding: rows padded to at least this many (engine/row_floors.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return at_least_rows(x, self._norm, self.min_rows) if self.min_rows else self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: normalize in float32, round to the input dtype, then scale by
         # the gain (the order matters in bfloat16).
         x32 = x.float()
@@ -243,13 +257,21 @@ class Attention(nn.Module):
         # The query heads that share a key head are stacked as that head's queries (head h reads key
         # head h // group): (rows, kv_heads, group, head_dim). Every operand then has kv_heads heads, so
         # the masked call runs a fused kernel instead of copying the keys once per query head.
-        # The memory-efficient kernel: a row's output measured the same whatever the other rows and the
-        # padded length (masked keys add exact zeros), on an H200.
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = F.scaled_dot_product_attention(
-                q.view(n, self.kv_heads, group, self.head_dim), cache_k[tile.slots, : tile.length].transpose(1, 2),
-                cache_v[tile.slots, : tile.length].transpose(1, 2), attn_mask=tile.mask)  # (rows, kv_heads, group, hd)
+        q = q.view(n, self.kv_heads, group, self.head_dim)
+        if tile.attn_rows > n:  # the kernel keeps a row's result only from that many rows (row_floors.py)
+            q = F.pad(q, (0, 0, 0, 0, 0, 0, 0, tile.attn_rows - n))
+        out = decode_attention(q, cache_k[tile.attn_slots, : tile.length], cache_v[tile.attn_slots, : tile.length],
+                               tile.mask)[:n]  # (rows, kv_heads, group, hd)
         return self.all_reduce(self.o(out.reshape(n, self.heads * self.head_dim)))
+
+
+def decode_attention(q, keys, values, mask) -> torch.Tensor:
+    """GPU decoding's attention: q (rows, kv_heads, group, head_dim) over keys and values (rows, L,
+    kv_heads, head_dim), a view of the cache, the keys past each row's position masked. The
+    memory-efficient kernel: a row's output measured the same whatever the other rows and the padded
+    length (masked keys add exact zeros), on an H200 and an H100 (row_floors.py checks it per device)."""
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        return F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
 
 
 class MLP(nn.Module):
@@ -301,6 +323,7 @@ class Llama(nn.Module):
         self.shape = s
         self.dtype = dtype
         self.pad_limit = 0  # the LM head's rows padded up to this many (warm_rows)
+        self.head_min_rows = 0  # GPU decoding: the LM head's rows padded to at least this many (row_floors.py)
         if s.first_stage:
             self.embed = nn.Module()
             self.embed.register_buffer("weight", torch.empty(s.vocab_size, s.hidden_size, dtype=dtype))
@@ -415,27 +438,32 @@ class Llama(nn.Module):
         cos, sin = rope.cos_sin(positions[:, None], s.rope, s.head_dim, self.dtype)  # (rows, 1, head_dim)
         for block, (ck, cv) in zip(self.layers.values(), cache):
             x = block.decode(x, cos, sin, ck, cv, tile)
-        return F.linear(self.norm(x), self.lm_head.weight).float()
+        return at_least_rows(self.norm(x), self._head, self.head_min_rows).float()
 
 
 class Tile:
     """GPU decoding: ``rows`` consecutive KV cache slots from ``first``, one row each, attending over
     keys ``0..length-1`` of their own slot (a view of the cache, no copy), the keys past each row's
     position masked. Rows are slots, so an idle slot is a row too (it writes its slot's last position,
-    which every sequence writes itself before reading it). Every matrix product of a decode step then
-    has the same number of rows however many sequences run, so a row's result never depends on the
-    others: the same tokens alone and in a batch (the kernels are chosen by shape)."""
+    which every sequence writes itself before reading it). ``rows`` is a bucket of the slots in use
+    (engine/gpu_steps.py); every kernel gives a row the same result at every bucket, or runs padded to
+    the rows from which it does (``attn_rows`` for attention, which then reads that many slots:
+    engine/row_floors.py), so a row's result never depends on the others: the same tokens alone and
+    in a batch (the kernels are chosen by shape)."""
 
-    def __init__(self, first: int, rows: int, length: int, device):
+    def __init__(self, first: int, rows: int, length: int, device, attn_rows: int = 0):
         self.first, self.rows, self.length = first, rows, length
-        self.slots = slice(first, first + rows)
+        self.attn_rows = max(rows, attn_rows)
+        self.attn_slots = slice(first, first + self.attn_rows)
         self.slot_index = torch.arange(first, first + rows, device=device)
         self.keys = torch.arange(length, device=device)
         self.positions = self.mask = None
 
     def place(self, positions: torch.Tensor) -> None:
         self.positions = positions
-        self.mask = (self.keys[None, :] <= positions[:, None])[:, None, None, :]  # (rows, 1, 1, length)
+        if self.attn_rows > self.rows:  # padded rows see every key (their results are dropped)
+            positions = F.pad(positions, (0, self.attn_rows - self.rows), value=self.length - 1)
+        self.mask = (self.keys[None, :] <= positions[:, None])[:, None, None, :]  # (attn_rows, 1, 1, length)
 
 
 PAD = 64  # CPU attention: keys padded to a multiple of this, whatever else is in the batch
