@@ -97,7 +97,11 @@ def stop_early(model_dir: Path, entry: dict, greedy: list[int]) -> dict:
                              max_new_tokens=entry["max_tokens"], do_sample=False)[0, len(ids):].tolist()
     chat = tok.apply_chat_template(entry["chat"], add_generation_prompt=True, tokenize=True)
     chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
-    return {"stop": stop, "ids": out, "text": tok.decode(out, skip_special_tokens=True), "chat_ids": list(chat)}
+    # The text of the ids before the stop token: a real EOS is a special token, which
+    # skip_special_tokens leaves out; the listed one here is not, and vLLM (so wcache) leaves a stop
+    # token's text out of the answer.
+    text = tok.decode(out[:-1] if out[-1] in config.eos_token_id else out, skip_special_tokens=True)
+    return {"stop": stop, "ids": out, "text": text, "chat_ids": list(chat)}
 
 
 def main(spec_path: str) -> int:
