@@ -320,7 +320,6 @@ class UnsupportedCheckpointError(UserError):
         "partial_rotary_factor": "wcache rotates every dimension of a head",
         "rope_nested": "wcache computes one RoPE for every layer",
         "dtype": "wcache computes in bfloat16, float16 or float32: choose one with --dtype",
-        "vocab_size": "the byte-level tokenizer needs at least {min} token ids",
         "head_dim": "RoPE rotates pairs of dimensions, so head_dim must be even",
         "num_key_value_heads": "num_attention_heads must be a multiple of it",
         "required": "config.json must give it as a positive integer",
@@ -411,3 +410,14 @@ DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepti
 DRAINING = "Stopped accepting; draining {n} in-flight request(s) for up to {timeout:g} s"
 DRAIN_CUT = "Drain deadline of {timeout:g} s passed: ending {n} request(s) with an error"
 DRAINED = "Drained in {seconds:.1f} s"
+# -- the checkpoint's tokenizer and stop ids (model/tokenizer.py, model/generation_config.py) ---------
+NO_TOKENIZER = ("No tokenizer in {dir}: it has no tokenizer.json. Give the directory of the model's tokenizer "
+                "with --tokenizer DIR, or serve token ids only with --skip-tokenizer-init")
+TOKENIZER_UNREADABLE = "Cannot read the tokenizer file {path}: {why}"
+GENERATION_CONFIG_EOS = "{path}: eos_token_id must be a token id or a list of token ids, got {value}"
+# vLLM's, for a text prompt (or a chat request) to an engine started with --skip-tokenizer-init.
+TEXT_WITHOUT_TOKENIZER = ("You cannot pass text prompts when `skip_tokenizer_init` is True: this server was "
+                          "started with --skip-tokenizer-init, so send 'prompt' as token ids")
+STOP_WITHOUT_TOKENIZER = "'stop' strings need the tokenizer: this server was started with --skip-tokenizer-init"
+TOKENIZER_TOO_LARGE = ("The tokenizer of {source} has ids up to {max_id}, past the model's vocabulary "
+                       "(vocab_size {vocab_size} in config.json): give the model's own tokenizer")

@@ -95,7 +95,7 @@ def test_an_fp8_model_on_hopper_generates_like_its_upcast_twin(tmp_path):
     from wcache.core.checkpoint import make_checkpoint
     from wcache.core.config import EngineConfig
     from wcache.core.disk import load_processed
-    from wcache.model import tokenizer
+    import prompt_ids as tokenizer
     from wcache.model.llama import bind_weights, build_meta_model
 
     model_dir = make_checkpoint(tmp_path / "small-fp8", "small", quantization="fp8")

@@ -22,7 +22,7 @@ from wcache.core.config import EngineConfig
 from wcache.engine.engine import STREAM_BUFFER_TOKENS, Engine
 from wcache.engine.runner import EngineOptions
 from wcache.errors import QUEUE_FULL, STREAM_OVERFLOW
-from wcache.model import tokenizer
+import prompt_ids as tokenizer
 from wcache.model.llama import Linear
 
 NO_TUNE = ("--no-enable-autotune",)

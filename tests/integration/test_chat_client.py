@@ -12,8 +12,8 @@ import pytest
 from procs import _healthy, free_port, http
 
 from wcache import errors
-from wcache.core.checkpoint import CHAT_TEMPLATE
-from wcache.engine.chat_template import ChatTemplate
+from wcache.engine import chat_template
+from wcache.model.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 96
 NAMES = ("tiny-chat", "tiny-alias")
@@ -46,21 +46,24 @@ def streamed(client, **kw) -> tuple[str, list]:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
 
 
-def test_chat_completion_has_vllms_fields(greedy):
+def rendered_ids(model) -> list[int]:
+    """HELLO through the checkpoint's template, encoded by its tokenizer (BOS and EOS as their ids)."""
+    return Tokenizer.load(str(model)).encode(chat_template.load(str(model)).render(HELLO), add_special_tokens=False)
+
+
+def test_chat_completion_has_vllms_fields(greedy, tiny_model):
     [choice] = greedy.choices
     assert greedy.id.startswith("chatcmpl-") and greedy.object == "chat.completion" and greedy.model == NAMES[0]
     assert choice.index == 0 and choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("length", "stop") and choice.message.content
     # The prompt is make-checkpoint's template rendered: BOS, "<|user|>\nHello", EOS, "\n<|assistant|>\n"
-    t = ChatTemplate("test", CHAT_TEMPLATE)
-    assert greedy.usage.prompt_tokens == len(t.encode(t.render(HELLO))) == 31
+    assert greedy.usage.prompt_tokens == len(rendered_ids(tiny_model)) == 25
     assert greedy.usage.total_tokens == greedy.usage.prompt_tokens + greedy.usage.completion_tokens
 
 
-def test_the_prompt_is_the_rendered_template(client, greedy):
+def test_the_prompt_is_the_rendered_template(client, greedy, tiny_model):
     """The same tokens through /v1/completions with the rendered template as token ids: the same text."""
-    t = ChatTemplate("test", CHAT_TEMPLATE)
-    c = client.completions.create(model=NAMES[0], prompt=t.encode(t.render(HELLO)), max_tokens=24)
+    c = client.completions.create(model=NAMES[0], prompt=rendered_ids(tiny_model), max_tokens=24)
     assert c.choices[0].text == greedy.choices[0].message.content
 
 
@@ -110,11 +113,12 @@ REFUSED = {  # name: (keyword arguments, what the message says)
     "content a number": (dict(messages=[{"role": "user", "content": 5}]), "'messages[0].content' must be a string"),
     "tool message": (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
                      "Unknown field 'messages[0].tool_call_id'"),
-    "too many tokens": (dict(max_tokens=MAX_MODEL_LEN), "'max_tokens' must be between 1 and 65"),
-    "max_completion_tokens": (dict(max_completion_tokens=0), "'max_completion_tokens' must be between 1 and 65"),
+    "too many tokens": (dict(max_tokens=MAX_MODEL_LEN), f"'max_tokens' must be between 1 and {MAX_MODEL_LEN - 25}"),
+    "max_completion_tokens": (dict(max_completion_tokens=0),
+                              f"'max_completion_tokens' must be between 1 and {MAX_MODEL_LEN - 25}"),
     "prompt too long": (dict(messages=[{"role": "user", "content": "x" * MAX_MODEL_LEN}]),
                         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has "
-                        f"{MAX_MODEL_LEN + 26} input tokens."),
+                        "118 input tokens."),  # 96 x, merged in pairs, and the template's 70
 }
 
 
@@ -200,11 +204,11 @@ def test_the_flag_wins_over_the_variable_and_a_template_flag_over_the_checkpoint
                     "--chat-template", str(tmp_path / "t.jinja"), env={"VLLM_API_KEY": "env-key"}, ready=True)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{e.port}/v1", api_key="flag-key", max_retries=0, timeout=60)
     done = c.chat.completions.create(model=str(tiny_model), messages=HELLO, max_tokens=2)
-    assert done.usage.prompt_tokens == 6  # BOS + "Hello": this template, not the checkpoint's
+    assert done.usage.prompt_tokens == 4  # BOS + "Hello" (3 tokens): this template, not the checkpoint's
     assert f"Chat template: from {tmp_path / 't.jinja'}" in e.log()
     extra = c.chat.completions.create(model=str(tiny_model), messages=HELLO, max_tokens=2,
                                       extra_body={"chat_template_kwargs": {"extra": "abc"}})
-    assert extra.usage.prompt_tokens == 9  # the template's own variable, from the request
+    assert extra.usage.prompt_tokens == 7  # the template's own variable, from the request ("abc", 3 tokens)
     with pytest.raises(openai.BadRequestError) as bad:
         c.chat.completions.create(model=str(tiny_model), messages=HELLO, extra_body={"chat_template_kwargs": {
             "messages": []}})

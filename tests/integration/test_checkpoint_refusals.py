@@ -38,7 +38,6 @@ EXPECTED = {
     "partial_rotary_factor": "partial_rotary_factor is 0.5; wcache rotates every dimension of a head",
     "dtype": 'dtype is "float64"; wcache computes in bfloat16, float16 or float32: choose one with --dtype',
     "torch_dtype": 'torch_dtype is "float64"; wcache computes in bfloat16, float16 or float32: choose one with --dtype',
-    "vocab_size": "vocab_size is 200; the byte-level tokenizer needs at least 258 token ids",
     "head_dim": "head_dim is 33; RoPE rotates pairs of dimensions, so head_dim must be even",
     "num_key_value_heads": "num_key_value_heads is 3; num_attention_heads must be a multiple of it",
     "hidden_size": "hidden_size is missing; config.json must give it as a positive integer",

@@ -27,12 +27,12 @@ from procs import complete
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.errors import WeightCacheError
-from wcache.model import tokenizer
+import prompt_ids as tokenizer
 from wcache.model.llama import bind_weights, build_meta_model
 
 HERE = Path(__file__).parent
 PROMPT = "Hello, world"
-IDS = tokenizer.encode(PROMPT)
+IDS = tokenizer.preset_encode(PROMPT)  # as the served checkpoint's tokenizer.json encodes it
 MAX_TOKENS = 12
 TOLERANCE = 1e-5  # test_hf_parity's float32 tolerance: the up-cast weights are transformers' exactly
 FLAGS = ("--no-enable-autotune", "--dtype", "float32")
@@ -72,7 +72,7 @@ def fp8_model(tmp_path_factory) -> Path:
 def transformers_reference(fp8_model, tmp_path_factory) -> dict:
     """What transformers computes from the FP8 files (float32, dequantized at load), in a subprocess."""
     tmp = tmp_path_factory.mktemp("hf-fp8")
-    spec = [{"load": str(fp8_model), "out": str(tmp), "prompt": IDS, "max_tokens": MAX_TOKENS,
+    spec = [{"load": str(fp8_model), "out": str(tmp), "text": PROMPT, "max_tokens": MAX_TOKENS,
              "eos_id": tokenizer.EOS_ID, "fp8_dequantize": True}]
     (tmp / "spec.json").write_text(json.dumps(spec))
     p = subprocess.run([sys.executable, str(HERE / "hf_reference.py"), str(tmp / "spec.json")],

@@ -2,11 +2,15 @@
 supported checkpoints.
 
 Checkpoints are written by the transformers library itself (hf_reference.py, in a subprocess: the
-venv's 5.x, and 4.x from a second install in .work/tf4 that `make dev` makes), which also records
-what transformers computes from the saved files: the float32 logits of every prompt position and
-the greedy continuation. For each checkpoint a real `wcache preload` daemon and two real `wcache
-serve` engines (one from disk, one with `--load-format ipc_cache` and fallback off) run; over HTTP
-both must return exactly transformers' greedy token ids, and the logits of an engine that maps the
+venv's 5.x, and 4.x from a second install in .work/tf4 that `make dev` makes), weights and a fast
+tokenizer with a chat template, and a generation_config.json whose eos_token_id lists EOS and a
+token the greedy continuation reaches; it also records what transformers computes from the saved
+files: the prompt's ids, the float32 logits of every prompt position, the greedy continuation, what
+`generate` answers (ids and text, stopped at that listed token) and the ids `apply_chat_template`
+gives. For each checkpoint a real `wcache preload` daemon and two real `wcache serve` engines (one
+from disk, one with `--load-format ipc_cache` and fallback off) run; over HTTP, given the prompt as
+text, both must return exactly `generate`'s token ids and text, stopping at the same token, and a
+chat request must be encoded to `apply_chat_template`'s ids; the logits of an engine that maps the
 daemon's weights (and of one that reads the disk) must be within TOLERANCE of transformers', in
 float32. A bfloat16 checkpoint is also computed in bfloat16 (what --dtype auto picks) and compared
 with transformers computing in bfloat16, to the looser bfloat16 tolerance.
@@ -28,19 +32,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import _healthy, complete
+from procs import _healthy, complete, http
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
-from wcache.model import tokenizer
+import prompt_ids as tokenizer
 from wcache.model.llama import bind_weights, build_meta_model, generate
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 TF4 = ROOT / ".work" / "tf4"  # transformers 4.x, installed apart from the venv's 5.x by `make dev`
 PROMPT = "Hello, world"
-IDS = tokenizer.encode(PROMPT)
+IDS = tokenizer.encode(PROMPT)  # direction wcache -> transformers only: the written cases' are their tokenizer's
 MAX_TOKENS = 12
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, how are you?"}]
 # Largest |wcache - transformers| over all logits, as a fraction of the largest |logit|. float32:
 # fused q/k/v and gate/up matmuls sum in another order (measured about 1e-6). bfloat16: both round
 # at the same points (RMSNorm, RoPE), yet a fused matmul rounds differently (measured about 7e-3).
@@ -100,11 +105,12 @@ def start_writer(spec: list[dict], tmp: Path, major: int) -> subprocess.Popen:
 def written(tmp_path_factory) -> dict[str, Path]:
     """Every case's directory (model/ and reference.json), written by transformers."""
     tmp = tmp_path_factory.mktemp("hf")
-    common = {"seed": 0, "init_std": 0.2, "prompt": IDS, "max_tokens": MAX_TOKENS, "eos_id": tokenizer.EOS_ID}
+    common = {"seed": 0, "init_std": 0.2, "text": PROMPT, "max_tokens": MAX_TOKENS, "eos_id": tokenizer.EOS_ID,
+              "chat": CHAT}
     by_major: dict[int, list[dict]] = {4: [], 5: []}
     for name, case in CASES.items():
         entry = {**common, **{k: v for k, v in case.items() if k not in ("writer", "served")}, "name": name,
-                 "out": str(tmp / name)}
+                 "out": str(tmp / name), "stop_early": case.get("served", True)}
         by_major[case["writer"]].append(entry)
     # The reverse direction: wcache's presets, read by transformers 5 in float32.
     for name, tie in (("wcache-tiny", False), ("wcache-tiny-tied", True)):
@@ -164,7 +170,7 @@ def written_by(case_dir: Path) -> str:
 
 
 def engine_logits(model_dir: Path, load_format: str, dtype: str = "auto",
-                  socket_dir: str | None = None) -> tuple[torch.Tensor, str]:
+                  socket_dir: str | None = None, ids: list[int] = IDS) -> tuple[torch.Tensor, str]:
     """Every prompt position's logits from wcache's model bound to the weights of an engine's loader
     (in this process), and where they came from; ipc_cache with fallback off maps the running
     daemon's weights."""
@@ -175,7 +181,7 @@ def engine_logits(model_dir: Path, load_format: str, dtype: str = "auto",
     loaded = load_weights(cfg, load_format, parse_loader_config(loader(socket_dir)))
     try:
         model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), loaded.weights.bindable())
-        logits = model(torch.tensor(IDS), 0, model.new_cache(len(IDS)), all_positions=True)
+        logits = model(torch.tensor(ids), 0, model.new_cache(len(ids)), all_positions=True)
         return logits.float(), loaded.report.source
     finally:
         loaded.close()
@@ -204,16 +210,25 @@ def test_served_from_disk_and_from_the_cache_like_transformers(name, written, se
 
     daemon, disk, cached, socket_dir = served[name]
     assert "from disk" in disk.log() and "Mapped " in cached.log(), cached.log()
+    generated = json.loads((case_dir / "reference.json").read_text())["generate"]
+    assert generated["ids"][-1] == generated["stop"] and len(generated["ids"]) < MAX_TOKENS  # it stopped there
+    assert generated["ids"] == ref["greedy"][:len(generated["ids"])]
     for engine in (disk, cached):
         body = complete(engine.port, PROMPT, MAX_TOKENS)
-        assert body["choices"][0]["token_ids"] == ref["greedy"], (engine.args, written_by(case_dir))
+        choice = body["choices"][0]
+        assert choice["token_ids"] == generated["ids"], (engine.args, written_by(case_dir))
+        assert (choice["text"], choice["finish_reason"]) == (generated["text"], "stop")
+        assert body["usage"]["prompt_tokens"] == len(ref["prompt_ids"])
+    status, chat = http("POST", f"http://127.0.0.1:{cached.port}/v1/chat/completions",
+                        {"messages": CHAT, "max_tokens": 1})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == len(generated["chat_ids"]), chat
     for load_format in ("ipc_cache", "safetensors"):
-        logits, source = engine_logits(model, load_format, dtype, socket_dir)
+        logits, source = engine_logits(model, load_format, dtype, socket_dir, ref["prompt_ids"])
         assert ("weight cache" in source) == (load_format == "ipc_cache"), source
         assert_close(logits, torch.tensor(ref["logits"]), TOLERANCE[dtype])
     assert daemon.proc.poll() is None
     if stored == "bfloat16":  # in the checkpoint's own dtype, as --dtype auto serves it
-        logits, _ = engine_logits(model, "safetensors", "auto")
+        logits, _ = engine_logits(model, "safetensors", "auto", ids=ref["prompt_ids"])
         assert_close(logits, torch.tensor(reference(case_dir, "bfloat16")["logits"]), TOLERANCE["bfloat16"])
 
 
@@ -223,13 +238,29 @@ def test_computed_like_transformers_in_this_process(name, written):
     if name.startswith("tf4") and tf4_missing():
         pytest.skip(tf4_missing())
     ref = reference(written[name])
-    logits, _ = engine_logits(written[name] / "model", "safetensors", dtype="float32")
+    logits, _ = engine_logits(written[name] / "model", "safetensors", dtype="float32", ids=ref["prompt_ids"])
     assert_close(logits, torch.tensor(ref["logits"]), TOLERANCE["float32"])
     scale = max(abs(x) for row in ref["logits"] for x in row)
     assert ref["min_margin"] > 2 * TOLERANCE["float32"] * scale, (ref["min_margin"], scale)
     cfg = EngineConfig.build(str(written[name] / "model"), "float32", None, "cpu")
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), load_processed(cfg, False).bindable())
-    assert generate(model, IDS, MAX_TOKENS, eos_id=tokenizer.EOS_ID) == ref["greedy"]
+    assert generate(model, ref["prompt_ids"], MAX_TOKENS, eos_id=tokenizer.EOS_ID) == ref["greedy"]
+
+
+@pytest.mark.parametrize("name", ["tf5-gqa-head-dim-llama3-sharded", "tf4-gqa-llama3-sharded"])
+def test_a_chat_request_is_encoded_as_apply_chat_template_encodes_it(name, written):
+    """The served chat path's own parser (engine/chat.py), on transformers' saved tokenizer and
+    template: the prompt ids are apply_chat_template's."""
+    if name.startswith("tf4") and tf4_missing():
+        pytest.skip(tf4_missing())
+    from wcache.engine import chat, chat_template
+    from wcache.model.tokenizer import Tokenizer
+
+    model = str(written[name] / "model")
+    want = json.loads((written[name] / "reference.json").read_text())["generate"]["chat_ids"]
+    req = chat.parse_chat_request(json.dumps({"messages": CHAT}).encode(), chat_template.load(model), 256,
+                                  tokenizer=Tokenizer.load(model))
+    assert req.prompt == want
 
 
 def test_transformers_4_writes_what_the_4x_cases_claim(written):

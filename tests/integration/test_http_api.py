@@ -11,8 +11,10 @@ from http.client import HTTPConnection
 
 import pytest
 from procs import complete, http
+from prompt_ids import preset_encode
 
 MAX_MODEL_LEN = 32
+HELLO = len(preset_encode("Hello"))  # BOS and 3 tokens of the tiny checkpoint's tokenizer.json
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_completion_is_openai_shaped_and_greedy(engine, tiny_model):
     assert choice["finish_reason"] in ("length", "stop")
     n = len(choice["token_ids"])
     assert n == 8 if choice["finish_reason"] == "length" else 1 <= n <= 8
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": n, "total_tokens": 6 + n}  # BOS + 5 bytes
+    assert body["usage"] == {"prompt_tokens": HELLO, "completion_tokens": n, "total_tokens": HELLO + n}
     again = complete(engine.port, "Hello", 8)
     assert again["choices"][0]["token_ids"] == choice["token_ids"] and again["id"] != body["id"]
 
@@ -92,8 +94,8 @@ def test_streamed_answers_on_a_keep_alive_connection_are_not_held_for_the_client
     conn.close()
     assert statistics.median(times) < 0.03, times
 
-def test_prompt_tokens_are_utf8_bytes_plus_bos(engine):
-    assert complete(engine.port, "héllo", 1)["usage"]["prompt_tokens"] == 7
+def test_prompt_tokens_are_the_checkpoint_tokenizers(engine):
+    assert complete(engine.port, "héllo", 1)["usage"]["prompt_tokens"] == len(preset_encode("héllo")) == 5
 
 
 def test_max_tokens_up_to_the_model_length_is_served(engine):
@@ -101,7 +103,7 @@ def test_max_tokens_up_to_the_model_length_is_served(engine):
     assert body["usage"]["total_tokens"] <= MAX_MODEL_LEN
 
 
-RANGE = "'max_tokens' must be between 1 and 26 for this prompt (max model length 32, prompt 6 tokens)"
+RANGE = f"'max_tokens' must be between 1 and {MAX_MODEL_LEN - HELLO} for this prompt (max model length 32, prompt {HELLO} tokens)"
 BAD_REQUESTS = {
     "malformed_json": (b'{"prompt": "Hello",', "Request body is not valid JSON: "),
     "not_utf8": (b'\xff\xfe{"prompt": 1}', "Request body is not valid JSON: "),
@@ -115,7 +117,7 @@ BAD_REQUESTS = {
     "max_tokens_bool": ({"prompt": "Hello", "max_tokens": True}, "'max_tokens' must be an integer"),
     "max_tokens_zero": ({"prompt": "Hello", "max_tokens": 0}, RANGE),
     "max_tokens_negative": ({"prompt": "Hello", "max_tokens": -3}, RANGE),
-    "max_tokens_past_the_model_length": ({"prompt": "Hello", "max_tokens": 27}, RANGE),
+    "max_tokens_past_the_model_length": ({"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - HELLO + 1}, RANGE),
 }
 
 

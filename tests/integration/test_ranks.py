@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from procs import _healthy, alive, child_pids, complete, free_port, http, wait_until
-from wcache.model import tokenizer
+import prompt_ids as tokenizer
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity

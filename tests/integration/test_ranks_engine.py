@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from procs import free_port
-from wcache.model import tokenizer
+import prompt_ids as tokenizer
 from wcache.core.checkpoint import make_checkpoint
 from wcache.cli import build_parser
 from wcache.errors import KVCacheBudgetError

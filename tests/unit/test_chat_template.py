@@ -1,6 +1,6 @@
 """The chat template (engine/chat_template.py): found where transformers and vLLM look, rendered as
-transformers renders it (compared with transformers' own renderer), sandboxed, and read back into
-token ids with BOS and EOS as their ids."""
+transformers renders it (compared with transformers' own renderer), sandboxed, and encoded by the
+checkpoint's tokenizer with BOS and EOS as their ids."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import json
 import pytest
 
 from wcache import errors
-from wcache.core.checkpoint import CHAT_TEMPLATE, make_checkpoint
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.checkpoint_tokenizer import BOS_ID, CHAT_TEMPLATE, EOS_ID
 from wcache.engine import chat_template
 from wcache.engine.chat_template import ChatTemplate, ChatTemplateError, RenderError
-from wcache.model import tokenizer
+from wcache.model.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo {{ x }}"},
             {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "And?"}]
@@ -45,16 +46,18 @@ def test_renders_as_transformers_renders(name, add_generation_prompt):
 
     [want], _ = render_jinja_template([MESSAGES], chat_template=TEMPLATES[name], bos_token="<s>", eos_token="</s>",
                                       add_generation_prompt=add_generation_prompt)
-    assert ChatTemplate("test", TEMPLATES[name]).render(MESSAGES, add_generation_prompt) == want
+    assert ChatTemplate("test", TEMPLATES[name], "<s>", "</s>").render(MESSAGES, add_generation_prompt) == want
 
 
-def test_make_checkpoints_template_reads_as_its_tokens():
-    t = ChatTemplate("test", CHAT_TEMPLATE)
+def test_make_checkpoints_template_reads_as_its_tokens(model):
+    t = chat_template.load(str(model))
     text = t.render([{"role": "user", "content": "Hi"}])
     assert text == "<s><|user|>\nHi</s>\n<|assistant|>\n"
-    ids = t.encode(text)
-    assert ids[0] == tokenizer.BOS_ID and ids.count(tokenizer.EOS_ID) == 1 and tokenizer.BOS_ID not in ids[1:]
-    assert tokenizer.decode(ids) == "<|user|>\nHi\n<|assistant|>\n"  # BOS and EOS are not text
+    tok = Tokenizer.load(str(model))
+    ids = tok.encode(text, add_special_tokens=False)  # as apply_chat_template: the template wrote BOS
+    assert ids[0] == BOS_ID and ids.count(EOS_ID) == 1 and BOS_ID not in ids[1:]
+    assert tok.decode(ids) == "<|user|>\nHi\n<|assistant|>\n"  # BOS and EOS are not text
+    assert tok.decode(ids, skip_special_tokens=False) == text
 
 
 def test_a_template_that_refuses_raises_its_own_message():
@@ -119,7 +122,6 @@ def test_named_templates_and_special_tokens_from_tokenizer_config(tmp_path):
                           {"name": "default", "template": "{{ bos_token }}x{{ eos_token }}"}]}))
     t = chat_template.load(str(tmp_path))
     assert t.render(MESSAGES) == "<|begin_of_text|>x<|eot|>"
-    assert t.encode("<|begin_of_text|>x<|eot|>") == [tokenizer.BOS_ID, ord("x"), tokenizer.EOS_ID]
 
 
 def test_no_template_is_none(tmp_path):
@@ -127,8 +129,3 @@ def test_no_template_is_none(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     assert chat_template.load(str(tmp_path)) is None
 
-
-def test_encode_with_special_tokens_prefers_the_longer_name():
-    special = {"<s>": 1, "<s>>": 2}
-    assert tokenizer.encode_with_special_tokens("a<s>>b<s>", special) == [97, 2, 98, 1]
-    assert tokenizer.encode_with_special_tokens("ab", {}) == [97, 98]

@@ -18,7 +18,7 @@ from wcache.core.checkpoint import (
 )
 
 TINY_FILES = {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-              "model.safetensors.index.json", "tokenizer_config.json"}
+              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
 
 
 def _contents(d: Path) -> dict[str, bytes]:

@@ -20,7 +20,8 @@ from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key, mismatched_fields
 from wcache.errors import QuantizationError
-from wcache.model import fp8, tokenizer
+from wcache.model import fp8
+import prompt_ids as tokenizer
 from wcache.model.llama import Linear, bind_weights, build_meta_model, generate
 from wcache.model.quant import Fp8BlockCheckpoint, Fp8Online, QuantMethod, resolve
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from wcache.core import ranks, speculative
-from wcache.model import tokenizer
+import prompt_ids as tokenizer
 from wcache.core.checkpoint import make_checkpoint, shard_files
 from wcache.cli import build_parser, main
 from wcache.core.config import EngineConfig

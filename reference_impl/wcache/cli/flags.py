@@ -188,6 +188,16 @@ def add_api_args(p) -> None:
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require one of these keys as Authorization: Bearer KEY on /v1/ routes (default: "
                         "$VLLM_API_KEY; the variable keeps the key out of ps)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory of the tokenizer (tokenizer.json, tokenizer_config.json) when it is not the "
+                        "model directory's")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts must be token ids, and completions carry no text (their "
+                        "token ids are counted in usage)")
+    p.add_argument("--generation-config", default="auto", metavar="DIR",
+                   help="where the stop ids (eos_token_id) come from: auto, the model directory's "
+                        "generation_config.json (else config.json's); vllm, none but the tokenizer's EOS; or a "
+                        "directory holding a generation_config.json")
 
 
 def add_http_args(p) -> None:

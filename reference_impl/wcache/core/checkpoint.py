@@ -2,8 +2,10 @@
 
 `make_checkpoint` writes config.json, one or more ``*.safetensors`` shards and, when there is more
 than one shard, ``model.safetensors.index.json``: what an engine finds in a downloaded model
-directory. Its tokenizer_config.json names BOS and EOS and holds a chat template, where transformers
-writes one, so ``POST /v1/chat/completions`` works on it as on a downloaded chat model. Weights are seeded random numbers (no hub access); every tensor is drawn from its own
+directory, with the tokenizer files a downloaded model has (checkpoint_tokenizer.py: tokenizer.json,
+tokenizer_config.json with a chat template, generation_config.json), so prompts are encoded, answers
+decoded and ``POST /v1/chat/completions`` served as for a downloaded chat model. Weights are seeded
+random numbers (no hub access); every tensor is drawn from its own
 generator seeded by (seed, tensor name), so the bytes do not depend on shard layout or write order.
 """
 
@@ -18,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wcache.core import llama_config
-from wcache.model import fp8, tokenizer
+from wcache.core import checkpoint_tokenizer, llama_config
+from wcache.model import fp8
 from wcache.errors import UserError
 
 
@@ -66,24 +68,6 @@ def fp8_quantization_config(block: int) -> dict:
 def is_quantized_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
 
-# The chat template of every preset: each message as `<|role|>`, a newline, its content and EOS;
-# then, for a reply, `<|assistant|>` and a newline. BOS and EOS are written as text (the template
-# sees them as bos_token and eos_token) and read back as their ids (model/tokenizer.py).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
-
-def tokenizer_config(preset: Preset) -> dict:
-    """tokenizer_config.json as transformers writes it (the legacy place of a single chat template)."""
-    return {"bos_token": tokenizer.BOS_TEXT, "eos_token": tokenizer.EOS_TEXT,
-            "model_max_length": preset.max_position_embeddings, "chat_template": CHAT_TEMPLATE}
-
-
 def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -100,8 +84,8 @@ def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
         "hidden_act": "silu",
         "tie_word_embeddings": tie_embeddings,
         "torch_dtype": dtype,
-        "bos_token_id": tokenizer.BOS_ID,
-        "eos_token_id": tokenizer.EOS_ID,
+        "bos_token_id": checkpoint_tokenizer.BOS_ID,
+        "eos_token_id": checkpoint_tokenizer.EOS_ID,
     }
 
 
@@ -236,7 +220,7 @@ def make_checkpoint(
     elif index.exists():
         index.unlink()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(p), indent=2) + "\n")
+    checkpoint_tokenizer.write(out, p.vocab_size, p.max_position_embeddings)
     return out
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 
 from wcache.errors import UnsupportedCheckpointError
-from wcache.model import tokenizer
 
 ARCHITECTURE = "LlamaForCausalLM"
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -122,9 +121,6 @@ def normalize(raw: dict, path) -> dict:
         raise UnsupportedCheckpointError(path, "sliding_window", show(raw["sliding_window"]), "sliding_window")
     if raw.get("hidden_act", "silu") not in ACTIVATIONS:
         raise UnsupportedCheckpointError(path, "hidden_act", show(raw["hidden_act"]), "hidden_act")
-    if raw["vocab_size"] < tokenizer.MIN_VOCAB_SIZE:
-        raise UnsupportedCheckpointError(path, "vocab_size", show(raw["vocab_size"]), "vocab_size",
-                                         min=tokenizer.MIN_VOCAB_SIZE)
     cfg = dict(raw)
     for key, default in DEFAULTS.items():
         if key != "rope_theta" and cfg.get(key) is None:
@@ -163,7 +159,6 @@ REFUSED = {
     "partial_rotary_factor": ("anything but 1", {"partial_rotary_factor": 0.5}),
     "dtype": ("`float64` or another dtype, with `--dtype auto`", {"dtype": "float64"}),
     "torch_dtype": ("the same, in the field before 4.56", {"dtype": None, "torch_dtype": "float64"}),
-    "vocab_size": ("fewer than 258 ids (the byte tokenizer's)", {"vocab_size": 200}),
     "head_dim": ("odd", {"head_dim": 33}),
     "num_key_value_heads": ("not a divisor of `num_attention_heads`", {"num_key_value_heads": 3}),
     "hidden_size": ("missing or not a positive integer (likewise the other sizes)", {"hidden_size": None}),

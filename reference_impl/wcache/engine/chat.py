@@ -19,9 +19,9 @@ from wcache.engine.openai_api import ApiError, Field
 from wcache.engine.sampling import SamplingParams
 from wcache.errors import (
     BOOLEAN_FIELD, CHAT_TEMPLATE_KWARGS, CHAT_TEMPLATE_RENDER, MESSAGE_CONTENT, MESSAGE_FIELD, MESSAGE_PART,
-    MESSAGE_SHAPE, MESSAGES_REQUIRED, NO_CHAT_TEMPLATE,
+    MESSAGE_SHAPE, MESSAGES_REQUIRED, NO_CHAT_TEMPLATE, TEXT_WITHOUT_TOKENIZER,
 )
-from wcache.model import tokenizer
+from wcache.model.tokenizer import Tokenizer
 
 MESSAGE_FIELDS = ("role", "content", "name")
 # Names the template's own variables take: chat_template_kwargs may not replace them.
@@ -44,8 +44,8 @@ CHAT_FIELDS: dict[str, Field] = {
     "user": api.COMPLETION_FIELDS["user"],
     "add_generation_prompt": Field(True, "vLLM's: passed to the template (default `true`: end the prompt where "
                                          "the assistant's reply begins)"),
-    "add_special_tokens": Field(True, "vLLM's: `true` puts BOS before the rendered prompt (default `false`: "
-                                      "the template writes its own)"),
+    "add_special_tokens": Field(True, "vLLM's: `true` encodes the rendered prompt with the tokenizer's special "
+                                      "tokens added (BOS, as a rule; default `false`: the template writes its own)"),
     "chat_template_kwargs": Field(True, "vLLM's: an object of extra variables for the template (not "
                                         "`messages`, `add_generation_prompt`, `bos_token` or `eos_token`)"),
     "n": Field(False, "one choice per request", (None, 1)),
@@ -60,6 +60,7 @@ CHAT_FIELDS: dict[str, Field] = {
     "parallel_tool_calls": Field(False, "no tool calling", (None,)),
     "echo": Field(False, "the prompt is not echoed", (False,)),
     "continue_final_message": Field(False, "the reply starts a new assistant message", (False,)),
+    "skip_special_tokens": api.COMPLETION_FIELDS["skip_special_tokens"],
     "chat_template": Field(False, "the server's template only (`--chat-template`): a request cannot bring its own",
                            (None,)),
 }
@@ -73,6 +74,7 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    skip_special_tokens: bool = True
 
 
 def _text(content, index: int) -> str:
@@ -127,12 +129,14 @@ def _template_kwargs(req: dict) -> dict:
 
 
 def parse_chat_request(body: bytes, template: ChatTemplate | None, max_model_len: int, served=(),
-                       has_draft: bool = False) -> ChatRequest:
+                       has_draft: bool = False, tokenizer: Tokenizer | None = None) -> ChatRequest:
     """A chat request checked as vLLM checks it: fields, then the model (404), then the template (400)."""
     req = api.parse_json_object(body)
     api.check_fields(req, CHAT_FIELDS)
     if served:
         api.check_model(req, served)
+    if tokenizer is None:
+        raise ApiError(400, TEXT_WITHOUT_TOKENIZER)
     if template is None:
         raise ApiError(400, NO_CHAT_TEMPLATE)
     messages = parse_messages(req.get("messages"))
@@ -142,7 +146,7 @@ def parse_chat_request(body: bytes, template: ChatTemplate | None, max_model_len
         rendered = template.render(messages, add_generation_prompt, **_template_kwargs(req))
     except RenderError as e:
         raise ApiError(400, CHAT_TEMPLATE_RENDER.format(error=str(e)[:500]), "messages") from None
-    ids = ([tokenizer.BOS_ID] if add_special_tokens else []) + template.encode(rendered)
+    ids = tokenizer.encode(rendered, add_special_tokens)  # as apply_chat_template(tokenize=True)
     if not ids:
         raise ApiError(400, CHAT_TEMPLATE_RENDER.format(error="it rendered an empty prompt"), "messages")
     api.check_prompt_fits(max_model_len, len(ids))
@@ -151,7 +155,7 @@ def parse_chat_request(body: bytes, template: ChatTemplate | None, max_model_len
     max_tokens = api.check_max_tokens(field, max_model_len - len(ids) if wanted is None else wanted,
                                       max_model_len, len(ids))
     return ChatRequest(ids, max_tokens, api.parse_sampling(req, has_draft), api.parse_stop(req.get("stop")),
-                       *api.parse_stream(req))
+                       *api.parse_stream(req), api.parse_skip_special_tokens(req))
 
 
 # -- answers ---------------------------------------------------------------------------------------

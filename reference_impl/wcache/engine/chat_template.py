@@ -27,7 +27,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from wcache.errors import CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_SYNTAX, CHAT_TEMPLATE_CONFIG, UserError
-from wcache.model import tokenizer
+from wcache.model.tokenizer import special_text
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -46,8 +46,8 @@ class RenderError(Exception):
 class ChatTemplate:
     source: str  # where it came from, for the start-up log line
     text: str
-    bos_token: str = tokenizer.BOS_TEXT
-    eos_token: str = tokenizer.EOS_TEXT
+    bos_token: str = ""  # tokenizer_config.json's; a template sees "" where the tokenizer has none
+    eos_token: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "_compiled", _compile(self.text, self.source))
@@ -60,11 +60,6 @@ class ChatTemplate:
             raise RenderError(str(e) or type(e).__name__) from None
         except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
             raise RenderError(f"{type(e).__name__}: {e}") from None
-
-    def encode(self, rendered: str) -> list[int]:
-        """The rendered prompt's token ids: the BOS and EOS strings it holds become their ids."""
-        return tokenizer.encode_with_special_tokens(
-            rendered, {self.bos_token: tokenizer.BOS_ID, self.eos_token: tokenizer.EOS_ID})
 
 
 def _raise_exception(message):
@@ -102,13 +97,6 @@ def from_flag(value: str) -> tuple[str, str]:
         raise ChatTemplateError(CHAT_TEMPLATE_FILE.format(value=value, reason=e)) from None
 
 
-def _special(config: dict, name: str, default: str) -> str:
-    v = config.get(name)
-    if isinstance(v, dict):  # an AddedToken, as transformers saves one: {"content": "<s>", ...}
-        v = v.get("content")
-    return v if isinstance(v, str) and v else default
-
-
 def _read_config(model_dir: Path) -> dict:
     path = model_dir / TOKENIZER_CONFIG
     if not path.is_file():
@@ -136,11 +124,12 @@ def _from_config(config: dict, path: Path) -> str | None:
 
 
 def load(model_dir: str, flag: str | None = None) -> ChatTemplate | None:
-    """The template chat requests are rendered with, or None when there is none."""
+    """The template chat requests are rendered with, or None when there is none. ``model_dir``: where
+    the tokenizer's files are (the model directory, or ``--tokenizer``'s)."""
     d = Path(model_dir)
     config = _read_config(d)
-    specials = dict(bos_token=_special(config, "bos_token", tokenizer.BOS_TEXT),
-                    eos_token=_special(config, "eos_token", tokenizer.EOS_TEXT))
+    specials = dict(bos_token=special_text(config, "bos_token") or "",
+                    eos_token=special_text(config, "eos_token") or "")
     if flag is not None:
         source, text = from_flag(flag)
         return ChatTemplate(source, text, **specials)

@@ -45,8 +45,9 @@ from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
-from wcache.errors import STREAM_OVERFLOW, ParallelConfigError
-from wcache.model import tokenizer
+from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, ParallelConfigError
+from wcache.model import generation_config
+from wcache.model.tokenizer import Tokenizer
 
 log = logging.getLogger("wcache.engine")
 
@@ -106,9 +107,16 @@ class Engine:
     ``STREAM_BUFFER_TOKENS`` behind is ended (``overflow``) so its slot serves others.
     """
 
-    def __init__(self, runner: RankRunner):
+    def __init__(self, runner: RankRunner, tokenizer: Tokenizer | None | str = "auto",
+                 stop_ids: frozenset[int] | None = None):
+        """``tokenizer``: the checkpoint's (``"auto"``: read from the model directory), or None to
+        serve token ids only (``--skip-tokenizer-init``). ``stop_ids``: the ids that end a completion
+        (default: the checkpoint's, generation_config.py)."""
         self.runner = runner
         self.cfg = runner.cfg
+        self.tokenizer = Tokenizer.load(self.cfg.model) if tokenizer == "auto" else tokenizer
+        self.stop_ids = stop_ids if stop_ids is not None else generation_config.stop_ids(
+            self.cfg.model, self.tokenizer.eos_token_id if self.tokenizer else None)
         self.report = runner.report
         self.max_model_len = runner.max_model_len
         self.scheduler = Scheduler(runner.num_seqs, runner.options.max_waiting_requests)
@@ -132,11 +140,12 @@ class Engine:
         self._loop_thread.run_last(self._loop)
 
     @classmethod
-    def start(cls, cfg: EngineConfig, options: EngineOptions | None = None) -> Engine:
+    def start(cls, cfg: EngineConfig, options: EngineOptions | None = None, tokenizer="auto") -> Engine:
         """An engine of this process's rank alone (a world of one, unless ``cfg.ranks`` says otherwise)."""
+        tokenizer = Tokenizer.load(cfg.model) if tokenizer == "auto" else tokenizer  # refused before loading
         runner = RankRunner(cfg, options or EngineOptions())
         runner.start()
-        return cls(runner)
+        return cls(runner, tokenizer)
 
     @property
     def memory(self):
@@ -163,13 +172,13 @@ class Engine:
 
     # -- a request's thread ---------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
-                 on_text=None, queued=None) -> Completion:
+                 on_text=None, queued=None, skip_special_tokens: bool = True) -> Completion:
         """One completion. ``prompt``: text, or token ids used as they are. ``on_text(piece) -> bool``
         is told each new piece of final text as it is decoded (textstream.py), on this thread, and
         returns True to stop early (a streaming client went away): the sequence then leaves the
         batch before the next step. ``queued()`` is called once the request is in the scheduler's
         queue. Raises ``QueueFull`` when ``--max-waiting-requests`` wait."""
-        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued)
+        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens)
         try:
             piece = next(pieces)
             while True:
@@ -178,18 +187,20 @@ class Engine:
             return done.value
 
     def pieces(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
-               queued=None):
+               queued=None, skip_special_tokens: bool = True):
         """``generate`` as a generator, on the caller's thread: yields each new piece of final text;
         ``send(True)`` stops the sequence at its next token, as ``close()`` does; returns the
         Completion. A streamed response writes each piece as it comes, with no thread in between."""
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), tokenizer.EOS_ID)
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError(TEXT_WITHOUT_TOKENIZER)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), self.stop_ids)
         if self.closed:
             raise RuntimeError("the engine is stopping")
         self.scheduler.add(seq)
         if queued is not None:
             queued()
-        text = TextStream(stop)
+        text = TextStream(self.tokenizer.stream(skip_special_tokens) if self.tokenizer else None, stop)
         out: list[int] = []
         gone = False
         end = None
@@ -203,7 +214,7 @@ class Engine:
                 if not out:
                     first_at = time.monotonic()
                 out.append(item)
-                piece = text.push(item)
+                piece = text.push(item, item in self.stop_ids)
                 if piece and not gone:
                     gone = bool((yield piece))
                 if text.stopped or gone:
@@ -220,7 +231,7 @@ class Engine:
         if end is not None and end.reason in ("overflow", "abort"):
             finish = "abort"  # vLLM's finish reason for a request the engine ended
         else:
-            finish = "stop" if text.stopped or (out and out[-1] == tokenizer.EOS_ID) else "length"
+            finish = "stop" if text.stopped or (out and out[-1] in self.stop_ids) else "length"
         return Completion(text.text, out, finish, text.stop_reason, len(ids), first_at)
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
@@ -338,8 +349,8 @@ class Engine:
                 self._finish(seq, "overflow")
                 return
             seq.outbox.put(tok)
-            if tok == seq.eos or len(seq.out) >= seq.max_tokens:
-                self._finish(seq, "eos" if tok == seq.eos else "length")
+            if tok in seq.stop_ids or len(seq.out) >= seq.max_tokens:
+                self._finish(seq, "eos" if tok in seq.stop_ids else "length")
                 return
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -453,7 +464,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         code = serve_requests(runner)
         supervisor.stop()
         exit_after_collectives(code)
-    engine = Engine(runner)
+    engine = Engine(runner, served.tokenizer, served.stop_ids)
 
     def on_stop() -> None:
         supervisor.stopping = True

@@ -43,13 +43,15 @@ def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None,
     called once every prompt is in the engine's queue."""
     queued = _each_queued(len(prompts), queued)
     if len(prompts) == 1:  # no thread for the usual case
-        return [engine.generate(prompts[0], *_args(req), on_text=on_text, queued=queued)]
+        return [engine.generate(prompts[0], *_args(req), on_text=on_text, queued=queued,
+                                skip_special_tokens=req.skip_special_tokens)]
     done: list = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text, queued=queued)
+            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text, queued=queued,
+                                      skip_special_tokens=req.skip_special_tokens)
         except BaseException as e:  # raised below, on the request's thread
             errors.append(e)
 
@@ -84,7 +86,7 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread,
 
     def run(i: int) -> None:
         try:
-            c = engine.generate(prompts[i], *_args(req), queued=queued,
+            c = engine.generate(prompts[i], *_args(req), queued=queued, skip_special_tokens=req.skip_special_tokens,
                                 on_text=lambda piece: events.put(("text", i, piece)) or failed.is_set() or stop())
             events.put(("done", i, c))
         except BaseException as e:
@@ -103,7 +105,7 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread,
 
 
 def _stream_one(engine, prompt, req, stop: Callable[[], bool], queued) -> Iterator[tuple[str, int, object]]:
-    pieces = engine.pieces(prompt, *_args(req), queued)
+    pieces = engine.pieces(prompt, *_args(req), queued, req.skip_special_tokens)
     try:
         try:
             piece = next(pieces)

@@ -22,9 +22,9 @@ from wcache.errors import (  # the texts live with every other user-facing text
     MODEL_NOT_FOUND, NO_CHAT_TEMPLATE, NOT_JSON, NOT_AN_OBJECT, UNKNOWN_FIELD, REFUSED_FIELD, PROMPT_REQUIRED,
     PROMPT_SURROGATE, MAX_TOKENS_TYPE, MAX_TOKENS_RANGE, MODEL_TYPE, TEMPERATURE, TOP_P, SEED, STOP, STREAM,
     STREAM_OPTIONS, SAMPLING_WITH_DRAFT, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, PROMPT_LIST_TOO_LONG,
-    CHAT_TEMPLATE_RENDER,
+    CHAT_TEMPLATE_RENDER, BOOLEAN_FIELD, TEXT_WITHOUT_TOKENIZER, STOP_WITHOUT_TOKENIZER,
 )
-from wcache.model import tokenizer
+from wcache.model.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 # Prompts in one request's list: each is decoded on its own thread (the engine batches them), so
@@ -41,8 +41,8 @@ class Field:
 
 COMPLETION_FIELDS: dict[str, Field] = {
     "model": Field(True, "one of the served names, as `GET /v1/models` lists them (optional; another name is a 404)"),
-    "prompt": Field(True, "a non-empty string (the tokenizer is byte-level: one token per UTF-8 byte, plus BOS), a "
-                          "list of token ids (used as they are, no BOS added), or a list of up to "
+    "prompt": Field(True, "a non-empty string (encoded by the checkpoint's tokenizer, its special tokens such as "
+                          "BOS added), a list of token ids (used as they are), or a list of up to "
                           f"{MAX_PROMPTS} of either: one choice per prompt, its `index` the prompt's place"),
     "max_tokens": Field(True, f"tokens to generate, 1 to the model length minus the prompt (default {DEFAULT_MAX_TOKENS})"),
     "temperature": Field(True, "0 to 2; 0 (the default here; vLLM's is 1) is greedy"),
@@ -52,6 +52,8 @@ COMPLETION_FIELDS: dict[str, Field] = {
     "stream": Field(True, "`true`: server-sent events, one `data:` chunk per piece of text, then `data: [DONE]`"),
     "stream_options": Field(True, "`{\"include_usage\": true}` adds a last chunk with the token counts"),
     "user": Field(True, "an end-user id; accepted and not used, as vLLM"),
+    "skip_special_tokens": Field(True, "vLLM's: `true` (the default) leaves the tokenizer's special tokens out of "
+                                       "the text"),
     "n": Field(False, "one completion per request", (None, 1)),
     "best_of": Field(False, "one completion per request", (None, 1)),
     "logprobs": Field(False, "log-probabilities are not returned", (None,)),
@@ -91,6 +93,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    skip_special_tokens: bool = True
 
 
 def parse_json_object(body: bytes) -> dict:
@@ -129,26 +132,37 @@ def _number(v) -> bool:
 
 
 def parse_completion_request(body: bytes, max_model_len: int, served=(), has_draft: bool = False,
-                             vocab_size: int | None = None) -> CompletionRequest:
+                             vocab_size: int | None = None, tokenizer: Tokenizer | None = None) -> CompletionRequest:
     req = parse_json_object(body)
     check_fields(req, COMPLETION_FIELDS)
     if served:
         check_model(req, served)
-    prompts = parse_prompts(req.get("prompt"), vocab_size)
+    prompts = parse_prompts(req.get("prompt"), vocab_size, tokenizer)
     max_tokens = req.get("max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     max_tokens = check_max_tokens("max_tokens", max_tokens, max_model_len, max(len(p) for p in prompts))
-    return CompletionRequest(prompts, max_tokens, parse_sampling(req, has_draft), parse_stop(req.get("stop")),
-                             *parse_stream(req))
+    stop = parse_stop(req.get("stop"))
+    if stop and tokenizer is None:
+        raise ApiError(400, STOP_WITHOUT_TOKENIZER, "stop")
+    return CompletionRequest(prompts, max_tokens, parse_sampling(req, has_draft), stop, *parse_stream(req),
+                             parse_skip_special_tokens(req))
+
+
+def parse_skip_special_tokens(req: dict) -> bool:
+    v = req.get("skip_special_tokens")
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, BOOLEAN_FIELD.format(field="skip_special_tokens"), "skip_special_tokens")
+    return True if v is None else v
 
 
 def _is_ids(v) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
 
-def parse_prompts(prompt, vocab_size: int | None = None) -> tuple[list[int], ...]:
-    """vLLM's four prompt shapes as token ids: a string, a list of ids, a list of strings, a list of id lists."""
+def parse_prompts(prompt, vocab_size: int | None = None, tokenizer: Tokenizer | None = None) -> tuple[list[int], ...]:
+    """vLLM's four prompt shapes as token ids: a string, a list of ids, a list of strings, a list of id
+    lists. Text needs ``tokenizer`` (none with --skip-tokenizer-init)."""
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
@@ -160,17 +174,18 @@ def parse_prompts(prompt, vocab_size: int | None = None) -> tuple[list[int], ...
     out = []
     for p in prompts:
         if isinstance(p, list):
-            bad = next((i for i in p if not 0 <= i < (vocab_size or tokenizer.MIN_VOCAB_SIZE)), None)
+            bad = next((i for i in p if i < 0 or (vocab_size is not None and i >= vocab_size)), None)
             if bad is not None:
                 raise ApiError(400, TOKEN_OUT_OF_VOCAB.format(id=bad), "prompt")
             out.append(list(p))
             continue
         if not p:
             raise ApiError(400, PROMPT_REQUIRED, "prompt")
-        try:
-            out.append(tokenizer.encode(p))
-        except UnicodeEncodeError:  # "\ud800" is valid JSON but no text
-            raise ApiError(400, PROMPT_SURROGATE, "prompt") from None
+        if tokenizer is None:
+            raise ApiError(400, TEXT_WITHOUT_TOKENIZER, "prompt")
+        if not _encodable(p):  # "\ud800" is valid JSON but no text
+            raise ApiError(400, PROMPT_SURROGATE, "prompt")
+        out.append(tokenizer.encode(p))
     return tuple(out)
 
 

@@ -52,7 +52,7 @@ class Sequence:
     prompt: list[int]
     max_tokens: int
     sampler: Sampler
-    eos: int | None
+    stop_ids: frozenset[int]  # EOS and the generation config's stop ids
     out: list[int] = field(default_factory=list)
     slot: int = -1
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)

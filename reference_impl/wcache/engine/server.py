@@ -249,11 +249,11 @@ class _Handler(FrontDoorHandler):
         try:
             if is_chat:
                 req = chat.parse_chat_request(body, served.chat_template, engine.max_model_len, served.names,
-                                              engine.has_draft)
+                                              engine.has_draft, engine.tokenizer)
                 prompts = [req.prompt]
             else:
                 req = api.parse_completion_request(body, engine.max_model_len, served.names, engine.has_draft,
-                                                   engine.cfg.hf.get("vocab_size"))
+                                                   engine.cfg.hf.get("vocab_size"), engine.tokenizer)
                 prompts = list(req.prompts)
         except api.ApiError as e:
             self.send_json(e.status, e.body())

@@ -1,1 +1,2 @@
-"""The model: a readable Llama (llama.py), its quantization methods and the byte tokenizer. Imports only torch."""
+"""The model: a readable Llama (llama.py), its quantization methods; and, torch-free, the checkpoint's
+tokenizer and stop ids (tokenizer.py, generation_config.py)."""

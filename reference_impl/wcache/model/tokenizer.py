@@ -1,52 +1,124 @@
-"""A byte-level tokenizer: token ids 0..255 are bytes, then BOS and EOS. Nothing to download.
+"""A checkpoint's own tokenizer: its ``tokenizer.json``, read with Hugging Face ``tokenizers``.
 
-Decoding never hides a token: bytes that are not valid UTF-8 show as ``\\xNN`` (Python's
-``backslashreplace``) instead of U+FFFD, characters that do not print (controls, a terminal's
-escape sequences) show escaped too, and ids past the bytes that are not BOS or EOS (the rest of a
-Llama-sized vocabulary, which this tokenizer gives no text) show as ``<id>``. So a completion of
-random weights reads as the tokens it is.
+``tokenizers`` is the Rust library transformers' fast tokenizers and vLLM run, so a prompt becomes
+the ids the model was trained on, and the ids it answers become that text again. Whether encoding adds BOS is the post-processor's
+in ``tokenizer.json`` (Llama's adds it, Qwen's does not), as with transformers'
+``PreTrainedTokenizerFast``; ``tokenizer_config.json`` names ``bos_token`` and ``eos_token`` (a
+string, or an AddedToken's ``{"content": ...}``). The stop ids are generation_config.py's.
 
-A chat template writes BOS and EOS as text (``{{ bos_token }}``); ``encode_with_special_tokens``
-reads those strings back as their ids, as a Hugging Face tokenizer does with its special tokens.
+No torch here: the engine's front, which tokenizes, will run in a process without it.
 """
 
-import re
+from __future__ import annotations
 
-BOS_ID = 256
-EOS_ID = 257
-MIN_VOCAB_SIZE = 258
-# The text of BOS and EOS in a rendered chat prompt (make-checkpoint writes them to
-# tokenizer_config.json; a checkpoint's own bos_token / eos_token replace them).
-BOS_TEXT = "<s>"
-EOS_TEXT = "</s>"
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
+from tokenizers import Tokenizer as Backend
+from tokenizers.decoders import DecodeStream
 
-def encode(text: str, add_bos: bool = True) -> list[int]:
-    ids = list(text.encode("utf-8"))
-    return [BOS_ID, *ids] if add_bos else ids
+from wcache.errors import NO_TOKENIZER, TOKENIZER_UNREADABLE, UserError
 
-
-def decode(ids: list[int]) -> str:
-    out, run = [], bytearray()
-    for i in [*ids, None]:
-        if i is not None and i < 256:
-            run.append(i)
-            continue
-        text = run.decode("utf-8", errors="backslashreplace")
-        out += [c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text]
-        run.clear()
-        if i is not None and i not in (BOS_ID, EOS_ID):
-            out.append(f"<{i}>")
-    return "".join(out)
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
-def encode_with_special_tokens(text: str, special: dict[str, int]) -> list[int]:
-    """``text`` as bytes, except that each string of ``special`` (e.g. ``{"<s>": BOS_ID}``) is its one
-    id; no BOS is added (a chat template writes its own). Longer strings win where two overlap."""
-    names = sorted((s for s in special if s), key=len, reverse=True)
-    if not names:
-        return encode(text, add_bos=False)
-    ids: list[int] = []
-    for i, part in enumerate(re.split("(" + "|".join(map(re.escape, names)) + ")", text)):
-        ids += [special[part]] if i % 2 else encode(part, add_bos=False)
-    return ids
+class TokenizerError(UserError):
+    pass
+
+
+def special_text(config: dict, name: str) -> str | None:
+    """``bos_token`` / ``eos_token`` of tokenizer_config.json: a string, or an AddedToken as
+    transformers saves one (``{"content": "<s>", ...}``)."""
+    v = config.get(name)
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) and v else None
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``, {} when there is no such file; a refusal when it is not one."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TokenizerError(TOKENIZER_UNREADABLE.format(path=path, why=e)) from None
+    if not isinstance(data, dict):
+        raise TokenizerError(TOKENIZER_UNREADABLE.format(path=path, why="not a JSON object"))
+    return data
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    backend: Backend
+    source: str  # the directory it came from, for the start-up log line
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    @classmethod
+    def load(cls, model_dir: str, tokenizer: str | None = None) -> Tokenizer:
+        """The tokenizer of ``tokenizer`` (vLLM's ``--tokenizer``: a directory), else of the model
+        directory; a directory without ``tokenizer.json`` is refused with both flags named."""
+        d = Path(tokenizer or model_dir)
+        path = d / TOKENIZER_FILE
+        if not path.is_file():
+            raise TokenizerError(NO_TOKENIZER.format(dir=d))
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception subclass for a bad file
+            raise TokenizerError(TOKENIZER_UNREADABLE.format(path=path, why=e)) from None
+        config = read_json_object(d / TOKENIZER_CONFIG)
+        return cls(backend, str(d), special_text(config, "bos_token"), special_text(config, "eos_token"))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
+
+    @property
+    def max_id(self) -> int:
+        """The largest id this tokenizer may produce (its added tokens included)."""
+        return self.backend.get_vocab_size(with_added_tokens=True) - 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids; ``add_special_tokens`` adds what the post-processor adds (BOS, as a rule).
+        Special tokens written in the text (``<s>`` in a rendered chat prompt) become their ids."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream(self, skip_special_tokens: bool = True) -> Detokenizer:
+        return Detokenizer(self, skip_special_tokens)
+
+
+class Detokenizer:
+    """Incremental decoding (``tokenizers``' DecodeStream, as vLLM's fast detokenizer): each id
+    gives the text it makes final, never half a character (bytes that do not yet make a whole one
+    wait), never a token twice; ``flush`` gives what the last ids left waiting, so that the pieces
+    join to ``decode`` of every id."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        piece = self._stream.step(self.tokenizer.backend, token) or ""
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """The rest of ``decode(ids)`` past the pieces already given (an unfinished character shows
+        as U+FFFD, as transformers' decode shows it)."""
+        full = self.tokenizer.decode(self.ids, self.skip)
+        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += rest
+        return rest
