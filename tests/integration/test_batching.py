@@ -235,7 +235,7 @@ def test_a_prompt_pass_samples_every_first_token_before_handing_any_on(engine):
         engine.scheduler.wait_arrived = None
     picks = [i for i, (what, _, _) in enumerate(log) if what == "pick"]
     puts = [i for i, (what, _, _) in enumerate(log) if what == "put"]
-    assert len(picks) == 8 and {who for what, who, _ in log if what == "put"} == set(s.outbox for s in seqs)
+    assert len(picks) == 8 and {who for what, who, _ in log if what == "put"} == {s.outbox for s in seqs}
     assert len({log[i][2] for i in puts[:8]}) == 1  # one step gave them all
     assert max(picks) < min(puts), [what for what, _, _ in log]
 
