@@ -8,6 +8,14 @@ the first GPU run is the proof. Tolerance: the activations are quantized to FP8 
 bits, a relative step of up to 1/16, half of it in rounding), so each output differs from the
 up-cast bfloat16 matmul by a few percent of the output's scale; the relative Frobenius error is
 measured against MAX_RELATIVE_ERROR.
+
+That the native path ran is asserted, not assumed: ``torch._scaled_mm`` is counted by the profiler
+(``scaled_mm_calls``), and a native result equal to the up-cast one bit for bit would mean the
+activations were never quantized (a silent fallback). The breaks these catch: ``native_matmul``
+returning None (every projection up-cast: the model test then measured an error of 0 and passed),
+or returning the up-cast product.
+
+Run on a Hopper GPU: ``pytest -m gpu tests/gpu/test_fp8_gpu.py -q -s`` (``-s`` shows the errors).
 """
 
 from __future__ import annotations
@@ -34,6 +42,23 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def scaled_mm_calls(fn):
+    """(fn(), how many times ``aten::_scaled_mm`` ran inside it): proof of the native FP8 path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
+
+
+def assert_native_and_close(native: torch.Tensor, upcast: torch.Tensor, calls: int, what: str) -> None:
+    err = relative_error(native, upcast)
+    print(f"{what}: {calls} native call(s), relative error {err:.4f} against the up-cast matmul")
+    assert calls >= 1, f"{what}: torch._scaled_mm never ran (the native path fell back to up-casting)"
+    assert 0 < err < MAX_RELATIVE_ERROR, err  # 0: the activations were not quantized, so not native
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 16, 256])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_blockwise_scaled_mm_matches_the_upcast_matmul(shape, tokens):
@@ -44,12 +69,11 @@ def test_blockwise_scaled_mm_matches_the_upcast_matmul(shape, tokens):
     method = Fp8BlockCheckpoint({"quant_method": "fp8", "weight_block_size": [128, 128]})
     stored = {"weight": q, "weight_scale_inv": s}
     assert fp8.blockwise_native_ok(x, q, (128, 128))
-    native = method.native_matmul(x, stored)
+    native, calls = scaled_mm_calls(lambda: method.native_matmul(x, stored))
     upcast = x @ method.dequantize(stored, torch.bfloat16).t()
+    assert native is not None
     assert native.shape == upcast.shape == (tokens, shape[0]) and native.dtype == torch.bfloat16
-    err = relative_error(native, upcast)
-    print(f"block-wise {shape} x {tokens} tokens: relative error {err:.4f}")
-    assert err < MAX_RELATIVE_ERROR
+    assert_native_and_close(native, upcast, calls, f"block-wise {shape} x {tokens} tokens")
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16, 256])
@@ -60,11 +84,10 @@ def test_rowwise_scaled_mm_matches_the_upcast_matmul(shape, tokens):
     method = Fp8Online()
     stored = method.quantize(w, torch.bfloat16)
     x = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
-    native = method.native_matmul(x, stored)
+    native, calls = scaled_mm_calls(lambda: method.native_matmul(x, stored))
     assert native is not None
-    err = relative_error(native, x @ method.dequantize(stored, torch.bfloat16).t())
-    print(f"row-wise {shape} x {tokens} tokens: relative error {err:.4f}")
-    assert err < MAX_RELATIVE_ERROR
+    upcast = x @ method.dequantize(stored, torch.bfloat16).t()
+    assert_native_and_close(native, upcast, calls, f"row-wise {shape} x {tokens} tokens")
 
 
 def test_scale_rows_that_cublas_misreads_up_cast():
@@ -74,6 +97,8 @@ def test_scale_rows_that_cublas_misreads_up_cast():
     q, s = fp8.quantize_blockwise(torch.randn(1024, 2816, device="cuda") * 0.02, (128, 128))
     x = torch.randn(45, 2816, device="cuda", dtype=torch.bfloat16)
     assert not fp8.blockwise_native_ok(x, q, (128, 128))
+    method = Fp8BlockCheckpoint({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert method.native_matmul(x, {"weight": q, "weight_scale_inv": s}) is None  # the caller up-casts
     raw = fp8.scaled_mm_blockwise(x, q, s)  # what the native path would return: printed, not asserted
     upcast = x @ fp8.dequantize_blockwise(q, s, (128, 128), torch.bfloat16).t()
     print(f"K/128 = 22 natively: relative error {relative_error(raw, upcast):.4f}")
@@ -103,12 +128,16 @@ def test_an_fp8_model_on_hopper_generates_like_its_upcast_twin(tmp_path):
     weights = load_processed(cfg, show_progress=False)
     model = bind_weights(build_meta_model(cfg.shape, cfg.quant, cfg.dtype), weights.bindable())
     ids = torch.tensor(tokenizer.encode("The weight cache keeps FP8 weights resident."), device="cuda")
-    native = model(ids, 0, model.new_cache(len(ids)), all_positions=True).clone()
+    native, native_calls = scaled_mm_calls(lambda: model(ids, 0, model.new_cache(len(ids)), all_positions=True).clone())
     for lin in model.modules():
         if hasattr(lin, "quant"):
             lin.quant = type("Upcast", (Fp8BlockCheckpoint,), {"native_matmul": lambda self, x, s: None})(
                 {"quant_method": "fp8", "weight_block_size": [128, 128]})
-    upcast = model(ids, 0, model.new_cache(len(ids)), all_positions=True)
+    upcast, upcast_calls = scaled_mm_calls(lambda: model(ids, 0, model.new_cache(len(ids)), all_positions=True))
+    # Every layer's q/k/v, o and gate/up projections take the native path (its down projection,
+    # K = 2816, is gated off: see above), and the up-cast twin none.
+    assert native_calls >= 3 * cfg.shape.num_layers and upcast_calls == 0, (native_calls, upcast_calls)
+    assert relative_error(native, upcast) > 0
     agreement = (native.argmax(-1) == upcast.argmax(-1)).float().mean().item()
     print(f"small preset FP8 on {torch.cuda.get_device_name(0)}: native vs up-cast relative error "
           f"{relative_error(native, upcast):.4f}, top-1 agreement {agreement:.3f}")

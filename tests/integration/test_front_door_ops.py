@@ -1,6 +1,6 @@
 """What an operator checks before a rollout (issue ops-1), over real sockets against real
 `wcache serve` processes: the health lane outside the completion limit, HEAD /health, /version,
-/metrics' methods, X-Request-Id and the access log, completions that stop when their client
+/metrics' methods and its answer on the lane, X-Request-Id and the access log, completions that stop when their client
 leaves, and the SIGTERM drain's phases (also under --respawn)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import pytest
 from procs import complete, http
 from wcache.engine.access_log import CLIENT_CLOSED
-from wcache.errors import BUSY_MESSAGE, NO_METRICS, NOT_ALLOWED, SHUTTING_DOWN
+from wcache.errors import BUSY_MESSAGE, NOT_ALLOWED, SHUTTING_DOWN
 
 LIMIT = 4  # --max-concurrent-connections of the module's engine
 LONG = 500  # tokens: seconds of decoding for the tiny model on a CPU
@@ -85,13 +85,6 @@ def test_the_health_lane_answers_other_methods_405(engine, method):
     assert http("GET", f"http://127.0.0.1:{engine.port}/health")[0] == 200
 
 
-def test_metrics_without_an_exporter_is_a_404_on_the_lane(engine):
-    status, _, body = request(engine.port, "GET", "/metrics")
-    if status == 200:
-        pytest.skip("this engine exports metrics: tests/integration/test_metrics*.py checks them")
-    assert status == 404 and json.loads(body)["error"]["message"] == NO_METRICS
-
-
 def test_a_valid_request_id_is_echoed_and_logged(engine):
     rid = "trace-0123:abc/XYZ~"
     status, headers, _ = request(engine.port, "POST", "/v1/completions", completion_body(3),
@@ -135,10 +128,25 @@ def test_health_answers_200_while_the_completion_budget_is_exhausted(engine):
             assert request(engine.port, "GET", "/health")[0] == 200
             assert request(engine.port, "HEAD", "/health")[0] == 200
         assert request(engine.port, "GET", "/version")[0] == 200
+        assert_metrics_on_the_lane(engine.port)
     finally:
         for s in held:
             s.close()
     wait_served(engine.port)
+
+
+def assert_metrics_on_the_lane(port: int) -> None:
+    """GET /metrics answered, with the budget exhausted, in Prometheus' text format, and what it
+    says is the engine's state: a request in the batch (tests/integration/test_monitoring.py
+    checks each family against a real Prometheus). The break it catches: an engine that does not
+    export (no renderer: 404), the test this replaced skipped whenever /metrics answered 200."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, body = request(port, "GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain"), (status, body[:200])
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert samples["vllm:num_requests_running"] >= 1, samples
+    assert samples["wcache_engine_ready"] == 1
 
 
 def wait_served(port: int, timeout: float = 60) -> None:
@@ -150,31 +158,27 @@ def wait_served(port: int, timeout: float = 60) -> None:
 
 
 def test_a_non_streamed_completion_stops_when_its_client_leaves(engine):
-    """Three long completions abandoned by their clients must not delay the next request: each
-    stops at its next token (the access log says 499 and how many tokens it made)."""
+    """Three long completions abandoned by their clients: each stops at its next token (the access
+    log says 499 and how many tokens it made). Each client closes as soon as its request is sent,
+    so the engine has the request and its client is already gone at its first token: counted in
+    tokens, not seconds, a loaded machine cannot fail it.
+    The break it catches: the client-gone check made late (from the 300th piece on: 300 tokens
+    each, where at most a step's worth may be made)."""
     before = len(access_lines(engine))
-    alone = time.monotonic()
-    complete(engine.port, "Hello", 8)
-    alone = time.monotonic() - alone
-    t_long = time.monotonic()
-    complete(engine.port, "Hello", LONG)
-    t_long = time.monotonic() - t_long
     for _ in range(3):
         s = socket.create_connection(("127.0.0.1", engine.port), timeout=10)
         body = completion_body(LONG)
         s.sendall(post_head(body) + body)
-        time.sleep(0.2)
         s.close()
-    t0 = time.monotonic()
-    complete(engine.port, "Hello", 8)
-    seconds = time.monotonic() - t0
-    assert seconds < alone + t_long / 2, (seconds, alone, t_long)  # without the change: about 3 x t_long
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while len(gone := [line for line in access_lines(engine)[before:] if f" {CLIENT_CLOSED} " in line]) < 3:
         assert time.monotonic() < deadline, access_lines(engine)[before:]
         time.sleep(0.1)
     made = [int(re.search(r"generation_tokens=(\d+)", line).group(1)) for line in gone]
-    assert all(n < LONG for n in made), made
+    # Its first piece of text asks; the step under way may give one more token (two with its prompt's).
+    print("tokens made:", made)
+    assert all(1 <= n <= 3 for n in made), made
+    assert complete(engine.port, "Hello", 8)["usage"]["completion_tokens"] == 8
 
 
 # -- the SIGTERM drain --------------------------------------------------------------------------

@@ -75,17 +75,34 @@ def test_a_read_request_arrives_until_it_is_handed_to_the_engine():
 
 
 def test_worker_threads_are_reused_and_leave_when_closed():
-    pool = WorkerThreads("test-pool", start_idle=2)
-    seen, done = [], threading.Semaphore(0)
+    """Ten jobs one after another run on the two threads started idle: no thread is created for
+    them. Counted by Thread objects, each kept alive here so none can stand for another (thread
+    idents are reused by the OS once a thread ends: a new thread per job could show two idents).
+    The break it catches: a thread per job (``submit`` always ``_start``s)."""
+    created = []
+    start = threading.Thread.start
 
-    def job(i):
-        seen.append((i, threading.get_ident()))
-        done.release()
+    def counted_start(t):  # every thread the pool creates, counted as it starts
+        created.append(t)
+        start(t)
 
-    for i in range(10):  # one after another: an idle thread takes each
-        pool.submit(job, i)
-        assert done.acquire(timeout=5)
-    assert len({ident for _, ident in seen}) <= 2, seen
+    threading.Thread.start = counted_start
+    try:
+        pool = WorkerThreads("test-pool", start_idle=2)
+        idle = list(created)
+        seen, done = [], threading.Semaphore(0)
+
+        def job(i):
+            seen.append((i, threading.current_thread()))
+            done.release()
+
+        for i in range(10):  # one after another: an idle thread takes each
+            pool.submit(job, i)
+            assert done.acquire(timeout=5)
+    finally:
+        threading.Thread.start = start
+    assert len(idle) == 2 and created == idle, created  # none created after the two idle ones
+    assert {id(t) for _, t in seen} <= {id(t) for t in idle}, seen
     threads = [t for t in threading.enumerate() if t.name == "test-pool"]
     pool.close()
     for t in threads:
