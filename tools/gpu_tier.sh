@@ -5,7 +5,8 @@
 # (tools/gpu_worker.py: the pages listen on fixed ports). Needs root (a network namespace per
 # worker) and one CUDA device; its cost and needs are in docs/gpu-ci.md.
 #
-#   bash tools/gpu_tier.sh [pytest args...]      GPU_WORKERS (default 8), PYTHON (default python3)
+#   bash tools/gpu_tier.sh [pytest args...]      GPU_WORKERS (default 8), PYTHON (default python3),
+#                                               TIER_PATHS (default tests: every gpu-marked test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,8 +18,8 @@ export WCACHE_TEST_CHECKPOINTS
 trap 'rm -rf "$WCACHE_TEST_CHECKPOINTS"' EXIT
 if [ "$WORKERS" -le 1 ] || [ "$(id -u)" != 0 ]; then
   [ "$(id -u)" = 0 ] || echo "gpu_tier.sh: not root, so no network namespace per worker: one worker, one page after another" >&2
-  "$PY" -m pytest tests -m gpu -p no:cacheprovider -v -rfEs --durations=40 "$@"
+  "$PY" -m pytest ${TIER_PATHS:-tests} -m gpu -p no:cacheprovider -v -rfEs --durations=40 "$@"
   exit
 fi
-"$PY" -m pytest tests -m gpu -p no:cacheprovider --dist loadgroup \
+"$PY" -m pytest ${TIER_PATHS:-tests} -m gpu -p no:cacheprovider --dist loadgroup \
   --tx "$WORKERS*popen//python=$PY $PWD/tools/gpu_worker.py" -v -rfEs --durations=40 "$@"
