@@ -411,3 +411,25 @@ DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepti
 DRAINING = "Stopped accepting; draining {n} in-flight request(s) for up to {timeout:g} s"
 DRAIN_CUT = "Drain deadline of {timeout:g} s passed: ending {n} request(s) with an error"
 DRAINED = "Drained in {seconds:.1f} s"
+
+
+class FreeMemoryError(UserError):
+    """The engine's start check on a GPU (vLLM's): the device's free memory cannot hold the budget,
+    because other processes (or a fallen-back daemon's weights) hold what it counts on."""
+    # Upstream's text, then what of the budget is on the device already and the setting that fits.
+    TEMPLATE = ("Free memory on device ({free}/{total} GiB) on startup is less than desired GPU memory utilization "
+                "({utilization}, {budget} GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+                "processes. {held}{fix}")
+    HELD = ("{counted} GiB of the budget is on the device already (this engine's weights and those it maps from "
+            "the weight cache daemon), so the budget needed {needed} GiB free; ")
+    FIX_LOWER = "--gpu-memory-utilization {fits} fits what is free now"
+    FIX_NONE = "no utilization fits what is free now: stop the processes that hold the GPU's memory (nvidia-smi lists them)"
+
+
+class DeviceOutOfMemoryError(UserError):
+    """A CUDA out-of-memory while the engine sized or allocated its KV cache: memory outside the budget
+    (CUDA contexts, other processes, the allocator's fragments) took more than the budget left."""
+    TEMPLATE = ("CUDA out of memory while {phase} ({free}/{total} GiB free; budget {utilization} x {total} = "
+                "{budget} GiB): memory outside the budget (CUDA contexts, other processes) took the rest. Lower "
+                "--gpu-memory-utilization (a smaller KV cache), lower --max-model-len (a smaller activation peak), "
+                "or reduce GPU memory used by other processes")

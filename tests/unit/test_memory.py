@@ -12,7 +12,7 @@ from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.engine.engine import Engine
 from wcache.engine.runner import EngineOptions
-from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
+from wcache.errors import ExternalWeightsExceedBudgetError, FreeMemoryError, KVCacheBudgetError
 from wcache.model.llama import bind_weights, build_meta_model
 
 MiB = 1 << 20
@@ -141,3 +141,45 @@ def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
                                                  "budget holds 100"):
         Engine.start(cfg, EngineOptions("safetensors", max_model_len=512, cpu_memory_capacity=capacity,
                                         gpu_memory_utilization=1.0, enable_autotune=False))
+
+
+GiB = 1 << 30
+
+
+def test_free_memory_check_refuses_what_other_processes_hold():
+    """vLLM's start check, with numbers: 80 GiB card, another process holds 20 GiB, so 0.9 x 80 = 72
+    GiB cannot be had; the message is upstream's, with the utilization that fits what is free."""
+    memory.check_free_memory(free=75 * GiB, total=80 * GiB, utilization=0.9, counted=0)
+    with pytest.raises(FreeMemoryError) as e:
+        memory.check_free_memory(free=59 * GiB, total=80 * GiB, utilization=0.9, counted=0)
+    assert str(e.value) == (
+        "Free memory on device (59.00/80.00 GiB) on startup is less than desired GPU memory utilization (0.9, "
+        "72.00 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes. "
+        "--gpu-memory-utilization 0.73 fits what is free now")
+    with pytest.raises(FreeMemoryError, match="no utilization fits what is free now"):
+        memory.check_free_memory(free=GiB // 2, total=80 * GiB, utilization=0.5, counted=0)
+
+
+def test_free_memory_check_counts_the_daemons_weights_inside_the_budget():
+    """zero_copy: the daemon's 16 GiB are on the device before the engine starts, so not free, yet the
+    budget counts them (external weights). Free 63 GiB + 16 GiB mapped holds 0.9 x 80: no refusal,
+    where comparing free memory with the whole budget would refuse every normal zero_copy start."""
+    memory.check_free_memory(free=63 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB)
+    with pytest.raises(FreeMemoryError) as e:
+        memory.check_free_memory(free=40 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB)
+    assert str(e.value).endswith(
+        "16.00 GiB of the budget is on the device already (this engine's weights and those it maps from the "
+        "weight cache daemon), so the budget needed 56.00 GiB free; --gpu-memory-utilization 0.70 fits what "
+        "is free now")
+
+
+def test_free_memory_check_skips_a_cpu_device():
+    """On CPU the capacity is a setting (--cpu-memory-capacity); there is no free figure to compare."""
+    memory.check_device_free(torch.device("cpu"), 0.99, external=0, spare_reserve=0)
+
+
+def test_a_cuda_out_of_memory_is_named_not_a_traceback():
+    """The conversion alone (the GPU test provokes a real one); a CPU error passes through untouched."""
+    with pytest.raises(ValueError):
+        with memory.out_of_memory_named(torch.device("cpu"), 0.9, "sizing"):
+            raise ValueError("not memory")

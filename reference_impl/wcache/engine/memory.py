@@ -26,6 +26,12 @@ default the host's physical memory, so CI runs the very same arithmetic). It mus
 
 When the external weights alone exceed the budget the engine refuses to start
 (``ExternalWeightsExceedBudgetError``): no setting of the engine's own can fix that.
+
+Not counted: memory that other processes hold on the device (another engine, a notebook, a daemon's
+copy left behind by a fallback to disk) and the CUDA contexts. The budget is a share of the card's
+total, not of what is free, so all of that must fit in the other ``1 - utilization``. On a GPU the
+engine checks this at start, as vLLM does (``check_free_memory``): the free memory must hold the
+budget less what of it is on the device already.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import math
 import os
 import re
 import weakref
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -43,7 +50,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from wcache.errors import (
     CacheUnusable,
+    DeviceOutOfMemoryError,
     ExternalWeightsExceedBudgetError,
+    FreeMemoryError,
     KVCacheBudgetError,
 )
 
@@ -171,6 +180,52 @@ def check_external(capacity: int, utilization: float, external: int, device_type
             external=format_bytes(external), memory=ExternalWeightsExceedBudgetError.MEMORY[device_type],
             utilization=f"{utilization:g}", capacity=format_bytes(capacity),
             budget=format_bytes(budget), fix=fix)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def check_free_memory(free: int, total: int, utilization: float, counted: int) -> None:
+    """vLLM's start check: the device's ``free`` memory (read after the CUDA context exists) must
+    hold the budget, ``utilization`` x ``total``, less ``counted``: what of the budget is on the
+    device already, so not free, yet inside the budget (this engine's own allocations, and in
+    zero_copy mode the daemon's weights it maps, which the budget counts as external weights).
+    Memory other processes hold is never inside the budget; when it leaves too little, the engine
+    refuses here rather than failing later in a CUDA out-of-memory."""
+    budget = int(total * utilization)
+    needed = budget - counted
+    if free >= needed:
+        return
+    fits = math.floor((free + counted) / total * 100) / 100  # the highest utilization that fits, rounded down
+    fix = FreeMemoryError.FIX_LOWER.format(fits=f"{fits:.2f}") if fits >= 0.01 else FreeMemoryError.FIX_NONE
+    held = FreeMemoryError.HELD.format(counted=_gib(counted), needed=_gib(needed)) if counted else ""
+    raise FreeMemoryError(FreeMemoryError.TEMPLATE.format(
+        free=_gib(free), total=_gib(total), utilization=f"{utilization:g}", budget=_gib(budget), held=held, fix=fix))
+
+
+def check_device_free(device: torch.device, utilization: float, external: int, spare_reserve: int) -> None:
+    """``check_free_memory`` for this engine's device (a GPU; on CPU the capacity is a setting, and
+    nothing is checked). Counted as on the device already: the daemon's weights this engine maps,
+    what this process's allocator holds (its own weights), and a --respawn spare's reserve (the
+    spare may hold it by now; a spare that does not yet only makes the check more lenient)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    check_free_memory(free, total, utilization, external + torch.cuda.memory_reserved(device) + spare_reserve)
+
+
+@contextmanager
+def out_of_memory_named(device: torch.device, utilization: float, phase: str):
+    """A CUDA out-of-memory inside becomes ``DeviceOutOfMemoryError`` (one line, exit 2) with the
+    device's figures and the settings that get past it, instead of a traceback."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info(device)
+        raise DeviceOutOfMemoryError(DeviceOutOfMemoryError.TEMPLATE.format(
+            phase=phase, free=_gib(free), total=_gib(total), utilization=f"{utilization:g}",
+            budget=_gib(int(total * utilization)))) from None
 
 
 class PeakTracker(TorchDispatchMode):
