@@ -157,10 +157,21 @@ class RespawnError(UserError):
 
 
 class KVCacheBudgetError(UserError):
-    NO_ROOM = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization "
-               "(or --cpu-memory-capacity on CPU)")
-    TOO_LONG = ("--max-model-len {length} needs {length} KV cache tokens but the memory budget holds {tokens}: "
-                "{split}. Raise --gpu-memory-utilization or lower --max-model-len")
+    """The budget leaves too little for the KV cache. The {fix} names the way out that works here
+    (memory.kv_fix): a higher utilization only where the device can hold it; --max-model-len where
+    the activation peak (measured over --max-model-len tokens) or the sequence itself is too long."""
+    NO_ROOM = "No memory left for the KV cache: {split}. {fix}"
+    TOO_LONG = "--max-model-len {length} needs {length} KV cache tokens but the memory budget holds {tokens}: {split}. {fix}"
+    FIX_RAISE = {"cuda": ("Raise --gpu-memory-utilization to at least {needed} (the GPU must have that much free: "
+                          "memory other processes hold is not counted)"),
+                 "cpu": "Raise --gpu-memory-utilization to at least {needed}, or --cpu-memory-capacity"}
+    OR_SHORTER = ", or lower --max-model-len to at most {tokens}"
+    OR_SHORTER_PEAK = (", or lower --max-model-len (the activation peak, {peak}, is measured over {length} tokens "
+                       "and shrinks with them)")
+    FIX_PEAK = ("No utilization fits: the weights, the activation peak over {length} tokens ({peak}) and one "
+                "sequence of {length} tokens need {need} of the device's {capacity}. Lower --max-model-len")
+    FIX_SMALL = ("The weights alone need {weights} of the device's {capacity}: give each rank a smaller share of "
+                 "the model (more tensor or pipeline parallelism)")
 
 
 class AutotuneFailedError(UserError):

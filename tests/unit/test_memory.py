@@ -120,6 +120,34 @@ def test_max_model_len_from_the_budget():
         memory.size_max_model_len(empty, None, 2048, 512)
 
 
+def kv_error(plan, requested, default=20) -> str:
+    with pytest.raises(KVCacheBudgetError) as e:
+        memory.size_max_model_len(plan, requested, default, 512)
+    return str(e.value).split(". ", 1)[1]  # the way out, after the split
+
+
+def test_the_kv_cache_error_names_the_way_out_that_works():
+    """A higher utilization only where one below 1 holds everything; --max-model-len when the
+    activation peak over it (or the sequence) is what does not fit; the weights alone too big."""
+    gpu = dict(device="cuda", capacity=100 * MiB, utilization=0.5, external_weights=0, kv_bytes_per_token=MiB)
+    assert kv_error(memory.MemoryPlan(own_weights=50 * MiB, activation_peak=0, **gpu), None) == (
+        "Raise --gpu-memory-utilization to at least 0.70 (the GPU must have that much free: memory other processes "
+        "hold is not counted), or lower --max-model-len (the activation peak, 0 B, is measured over 20 tokens and "
+        "shrinks with them)")
+    # The activation peak over 20 tokens (95 MiB) with the weights exceeds the card: no utilization helps.
+    assert kv_error(memory.MemoryPlan(own_weights=10 * MiB, activation_peak=95 * MiB, **gpu), None) == (
+        "No utilization fits: the weights, the activation peak over 20 tokens (95.00 MiB) and one sequence of 20 "
+        "tokens need 125.00 MiB of the device's 100.00 MiB. Lower --max-model-len")
+    assert kv_error(memory.MemoryPlan(own_weights=120 * MiB, activation_peak=0, **gpu), None) == (
+        "The weights alone need 120.00 MiB of the device's 100.00 MiB: give each rank a smaller share of the model "
+        "(more tensor or pipeline parallelism)")
+    fifty = memory.MemoryPlan("cpu", 100 * MiB, 0.5, 0, 0, 0, MiB)  # 50 tokens fit
+    assert kv_error(fifty, 60) == ("Raise --gpu-memory-utilization to at least 0.60, or --cpu-memory-capacity, or "
+                                   "lower --max-model-len to at most 50")
+    assert kv_error(fifty, 200).endswith("need 200.00 MiB of the device's 100.00 MiB. Lower --max-model-len to "
+                                         "at most 50")
+
+
 def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
     """A real engine from disk: the plan adds up, the KV cache it allocates is the sized one, and a
     request longer than the budget allows is refused by the HTTP layer's length check."""

@@ -402,14 +402,35 @@ def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, ma
     what the budget holds when not ``plan.kv_tokens`` (the least of every rank's, or less a
     speculative draft's look-ahead)."""
     tokens = plan.kv_tokens if tokens is None else tokens
-    if tokens < 1:
-        raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split()))
     want = min(requested or default, max_positions)
+    if tokens < 1:
+        raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split(), fix=kv_fix(plan, want, 0)))
     if requested is not None and tokens < want:
-        raise KVCacheBudgetError(KVCacheBudgetError.TOO_LONG.format(length=want, tokens=tokens, split=plan.split()))
+        raise KVCacheBudgetError(KVCacheBudgetError.TOO_LONG.format(length=want, tokens=tokens, split=plan.split(),
+                                                                    fix=kv_fix(plan, want, tokens)))
     if tokens < want:
         log.warning("Max model length %d lowered to %d: the KV cache budget holds no more tokens", want, tokens)
     return min(want, tokens)
+
+
+def kv_fix(plan: MemoryPlan, length: int, tokens: int) -> str:
+    """The way out of a KV cache that cannot hold ``length`` tokens (``tokens`` fit now): a higher
+    utilization where one below 1 holds everything plus one sequence; else a shorter --max-model-len,
+    since the activation peak is measured over it; else the weights alone are too big for the device."""
+    E = KVCacheBudgetError
+    fixed = plan.budget - plan.kv_cache_bytes  # everything but the KV cache
+    need = fixed + length * plan.kv_bytes_per_token
+    needed = math.ceil(need / plan.capacity * 100) / 100
+    if needed < 1:
+        fix = E.FIX_RAISE["cuda" if plan.device.startswith("cuda") else "cpu"].format(needed=f"{needed:.2f}")
+        if tokens:
+            return fix + E.OR_SHORTER.format(tokens=tokens)
+        return fix + E.OR_SHORTER_PEAK.format(peak=format_bytes(plan.activation_peak), length=length)
+    weights = fixed - plan.activation_peak
+    if weights < plan.capacity:
+        return E.FIX_PEAK.format(length=length, peak=format_bytes(plan.activation_peak), need=format_bytes(need),
+                                 capacity=format_bytes(plan.capacity)) + (f" to at most {tokens}" if tokens else "")
+    return E.FIX_SMALL.format(weights=format_bytes(weights), capacity=format_bytes(plan.capacity))
 
 
 def size_num_seqs(plan: MemoryPlan, length: int, slot_tokens: int, requested: int, tokens: int | None = None) -> int:
