@@ -204,15 +204,30 @@ def check_free_memory(free: int, total: int, utilization: float, counted: int) -
         free=_gib(free), total=_gib(total), utilization=f"{utilization:g}", budget=_gib(budget), held=held, fix=fix))
 
 
+FREE_SETTLE_S = 3.0  # how long a refusal waits for memory a process that just exited is still giving back
+
+
 def check_device_free(device: torch.device, utilization: float, external: int, spare_reserve: int) -> None:
     """``check_free_memory`` for this engine's device (a GPU; on CPU the capacity is a setting, and
     nothing is checked). Counted as on the device already: the daemon's weights this engine maps,
     what this process's allocator holds (its own weights), and a --respawn spare's reserve (the
-    spare may hold it by now; a spare that does not yet only makes the check more lenient)."""
+    spare may hold it by now; a spare that does not yet only makes the check more lenient).
+    A --respawn spare promoted after a crash may read the free memory while the dead worker's is
+    still being released: it reads again for up to FREE_SETTLE_S before it refuses."""
+    import time
+
     if device.type != "cuda":
         return
-    free, total = torch.cuda.mem_get_info(device)
-    check_free_memory(free, total, utilization, external + torch.cuda.memory_reserved(device) + spare_reserve)
+    counted = external + torch.cuda.memory_reserved(device) + spare_reserve
+    deadline = time.monotonic() + FREE_SETTLE_S
+    while True:
+        free, total = torch.cuda.mem_get_info(device)
+        try:
+            return check_free_memory(free, total, utilization, counted)
+        except FreeMemoryError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 @contextmanager
