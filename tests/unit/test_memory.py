@@ -211,3 +211,30 @@ def test_a_cuda_out_of_memory_is_named_not_a_traceback():
     with pytest.raises(ValueError):
         with memory.out_of_memory_named(torch.device("cpu"), 0.9, "sizing"):
             raise ValueError("not memory")
+
+
+def test_a_refusal_waits_while_a_dead_processs_memory_comes_back():
+    """A promoted --respawn spare may read the free memory while the dead worker's is still being
+    given back: the check reads again for FREE_SETTLE_S, then while it grows; memory that stays
+    taken is refused once FREE_SETTLE_S is over, and growth never holds it past FREE_SETTLE_MAX_S."""
+    def run(frees):
+        t, reads = [0.0], iter(frees)
+
+        def sleep(s):
+            t[0] += s
+
+        def check(free):
+            if free < 10 * GiB:
+                raise FreeMemoryError(f"{free}")
+        try:
+            memory.settle_free(lambda: next(reads), check, clock=lambda: t[0], sleep=sleep)
+            return "ok", t[0]
+        except FreeMemoryError:
+            return "refused", t[0]
+
+    # Back after 4 s, growing from 3 s on: it waits and passes.
+    assert run([GiB] * 6 + [3 * GiB, 6 * GiB, 10 * GiB]) == ("ok", 4.0)
+    # Taken for good: refused once FREE_SETTLE_S is over.
+    assert run([GiB] * 100) == ("refused", memory.FREE_SETTLE_S)
+    # Growing forever: refused at FREE_SETTLE_MAX_S.
+    assert run([i * 16 << 20 for i in range(1000)]) == ("refused", memory.FREE_SETTLE_MAX_S)

@@ -204,30 +204,45 @@ def check_free_memory(free: int, total: int, utilization: float, counted: int) -
         free=_gib(free), total=_gib(total), utilization=f"{utilization:g}", budget=_gib(budget), held=held, fix=fix))
 
 
-FREE_SETTLE_S = 3.0  # how long a refusal waits for memory a process that just exited is still giving back
+FREE_SETTLE_S = 3.0  # a refusal reads the free memory again for this long, then while it still grows
+FREE_SETTLE_MAX_S = 30.0  # ... but no longer than this
+_GROWING = 8 << 20  # bytes: the free memory grew between two reads, so a process is still giving it back
 
 
 def check_device_free(device: torch.device, utilization: float, external: int, spare_reserve: int) -> None:
     """``check_free_memory`` for this engine's device (a GPU; on CPU the capacity is a setting, and
     nothing is checked). Counted as on the device already: the daemon's weights this engine maps,
     what this process's allocator holds (its own weights), and a --respawn spare's reserve (the
-    spare may hold it by now; a spare that does not yet only makes the check more lenient).
-    A --respawn spare promoted after a crash may read the free memory while the dead worker's is
-    still being released: it reads again for up to FREE_SETTLE_S before it refuses."""
-    import time
-
+    spare may hold it by now; a spare that does not yet only makes the check more lenient)."""
     if device.type != "cuda":
         return
     counted = external + torch.cuda.memory_reserved(device) + spare_reserve
-    deadline = time.monotonic() + FREE_SETTLE_S
+    total = torch.cuda.mem_get_info(device)[1]
+    settle_free(lambda: int(torch.cuda.mem_get_info(device)[0]),
+                lambda free: check_free_memory(free, total, utilization, counted))
+
+
+def settle_free(read_free, check, clock=None, sleep=None) -> None:
+    """``check(read_free())``, read again while a refusal may be memory still coming back. A killed
+    process's device memory returns while the driver tears its context down, after the process is
+    gone: a --respawn spare promoted after a crash may read before the dead worker's is back. So a
+    refusal reads again for FREE_SETTLE_S, then on while the free memory still grows (at most
+    FREE_SETTLE_MAX_S); memory that stays taken is refused after FREE_SETTLE_S."""
+    import time
+
+    clock, sleep = clock or time.monotonic, sleep or time.sleep
+    start, before = clock(), None
     while True:
-        free, total = torch.cuda.mem_get_info(device)
+        free = read_free()
         try:
-            return check_free_memory(free, total, utilization, counted)
+            return check(free)
         except FreeMemoryError:
-            if time.monotonic() >= deadline:
+            waited = clock() - start
+            growing = before is not None and free - before >= _GROWING
+            if waited >= FREE_SETTLE_MAX_S or (waited >= FREE_SETTLE_S and not growing):
                 raise
-            time.sleep(0.2)
+            before = free
+            sleep(0.5)
 
 
 @contextmanager
