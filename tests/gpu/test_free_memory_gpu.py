@@ -14,6 +14,12 @@ import sys
 
 import pytest
 import torch
+from procs import Processes
+
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.config import EngineConfig
+from wcache.engine.engine import Engine
+from wcache.engine.runner import EngineOptions
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,3 +100,29 @@ def test_a_cuda_out_of_memory_while_sizing_is_one_named_line(tiny_model, wcache_
     assert line.endswith("): memory outside the budget (CUDA contexts, other processes) took the rest. Lower "
                          "--gpu-memory-utilization (a smaller KV cache), lower --max-model-len (a smaller activation "
                          "peak), or reduce GPU memory used by other processes")
+
+
+def test_a_zero_copy_engine_is_not_refused_for_the_daemons_weights(tmp_path, wcache_env):
+    """The normal zero_copy start: the daemon's weights are on the device before the engine starts,
+    so not free, yet inside the engine's budget. A budget of the free memory plus half the weights
+    starts, because the check counts the mapped weights; comparing free memory with the whole
+    budget refused it. The engine runs in this process, so no second CUDA context moves the figures."""
+    model = make_checkpoint(tmp_path / "small", "small")  # about 500 MB of weights
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    daemons = Processes(tmp_path, wcache_env, device="cuda")
+    try:
+        daemons.preload(model)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = free + weights * 0.45
+        engine = Engine.start(EngineConfig.build(str(model), device="cuda"),
+                              EngineOptions("ipc_cache", gpu_memory_utilization=budget / total, max_num_seqs=4,
+                                            enable_autotune=False))
+        try:
+            assert engine.memory.external_weights > weights * 0.9
+            assert engine.memory.budget > free
+        finally:
+            engine.close()
+    finally:
+        daemons.stop_all()
