@@ -157,10 +157,21 @@ class RespawnError(UserError):
 
 
 class KVCacheBudgetError(UserError):
-    NO_ROOM = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization "
-               "(or --cpu-memory-capacity on CPU)")
-    TOO_LONG = ("--max-model-len {length} needs {length} KV cache tokens but the memory budget holds {tokens}: "
-                "{split}. Raise --gpu-memory-utilization or lower --max-model-len")
+    """The budget leaves too little for the KV cache. The {fix} names the way out that works here
+    (memory.kv_fix): a higher utilization only where the device can hold it; --max-model-len where
+    the activation peak (measured over --max-model-len tokens) or the sequence itself is too long."""
+    NO_ROOM = "No memory left for the KV cache: {split}. {fix}"
+    TOO_LONG = "--max-model-len {length} needs {length} KV cache tokens but the memory budget holds {tokens}: {split}. {fix}"
+    FIX_RAISE = {"cuda": ("Raise --gpu-memory-utilization to at least {needed} (the GPU must have that much free: "
+                          "memory other processes hold is not counted)"),
+                 "cpu": "Raise --gpu-memory-utilization to at least {needed}, or --cpu-memory-capacity"}
+    OR_SHORTER = ", or lower --max-model-len to at most {tokens}"
+    OR_SHORTER_PEAK = (", or lower --max-model-len (the activation peak, {peak}, is measured over {length} tokens "
+                       "and shrinks with them)")
+    FIX_PEAK = ("No utilization fits: the weights, the activation peak over {length} tokens ({peak}) and one "
+                "sequence of {length} tokens need {need} of the device's {capacity}. Lower --max-model-len")
+    FIX_SMALL = ("The weights alone need {weights} of the device's {capacity}: give each rank a smaller share of "
+                 "the model (more tensor or pipeline parallelism)")
 
 
 class AutotuneFailedError(UserError):
@@ -421,3 +432,25 @@ TEXT_WITHOUT_TOKENIZER = ("You cannot pass text prompts when `skip_tokenizer_ini
 STOP_WITHOUT_TOKENIZER = "'stop' strings need the tokenizer: this server was started with --skip-tokenizer-init"
 TOKENIZER_TOO_LARGE = ("The tokenizer of {source} has ids up to {max_id}, past the model's vocabulary "
                        "(vocab_size {vocab_size} in config.json): give the model's own tokenizer")
+
+
+class FreeMemoryError(UserError):
+    """The engine's start check on a GPU (vLLM's): the device's free memory cannot hold the budget,
+    because other processes (or a fallen-back daemon's weights) hold what it counts on."""
+    # Upstream's text, then what of the budget is on the device already and the setting that fits.
+    TEMPLATE = ("Free memory on device ({free}/{total} GiB) on startup is less than desired GPU memory utilization "
+                "({utilization}, {budget} GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+                "processes. {held}{fix}")
+    HELD = ("{counted} GiB of the budget is on the device already (this engine's weights and those it maps from "
+            "the weight cache daemon), so the budget needed {needed} GiB free; ")
+    FIX_LOWER = "--gpu-memory-utilization {fits} fits what is free now"
+    FIX_NONE = "no utilization fits what is free now: stop the processes that hold the GPU's memory (nvidia-smi lists them)"
+
+
+class DeviceOutOfMemoryError(UserError):
+    """A CUDA out-of-memory while the engine sized or allocated its KV cache: memory outside the budget
+    (CUDA contexts, other processes, the allocator's fragments) took more than the budget left."""
+    TEMPLATE = ("CUDA out of memory while {phase} ({free}/{total} GiB free; budget {utilization} x {total} = "
+                "{budget} GiB): memory outside the budget (CUDA contexts, other processes) took the rest. Lower "
+                "--gpu-memory-utilization (a smaller KV cache), lower --max-model-len (a smaller activation peak), "
+                "or reduce GPU memory used by other processes")

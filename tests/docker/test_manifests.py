@@ -153,6 +153,42 @@ def test_the_grace_period_covers_the_engines_drain_and_the_daemons_stop(name):
             assert spec["terminationGracePeriodSeconds"] >= delay + timeout + DAEMON_STOP_MARGIN_S
 
 
+def engine_wait_s(container: dict) -> float | None:
+    """The engine's wait for its daemon (``state_timeout_s``, else the loader's default) when the
+    container runs ``wcache serve --load-format ipc_cache``; None for any other container."""
+    from wcache.engine.loading.config import LOADER_KEYS
+
+    text = "\n".join(container.get("command", []) + container.get("args", []))
+    if not re.search(r"--load-format[= ]ipc_cache", text):
+        return None
+    m = re.search(r"--model-loader-extra-config[= ]'?(\{[^\n']*\})", text)
+    config = json.loads(m.group(1)) if m else {}
+    return float(config.get("state_timeout_s", LOADER_KEYS["state_timeout_s"]))
+
+
+def startup_budget_s(container: dict) -> float:
+    """How long the kubelet lets a container start before its startup probe fails it."""
+    p = container.get("startupProbe")
+    if not p:
+        return 0.0
+    return p.get("initialDelaySeconds", 0) + p.get("periodSeconds", 10) * p.get("failureThreshold", 3)
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_the_engine_waits_for_the_daemon_as_long_as_the_startup_probes_allow(name):
+    """With fallback off the engine waits state_timeout_s for the daemon, then exits 2. A wait
+    shorter than the startup probe's budget makes a slow but healthy daemon's engine give up: the
+    one-container script then stops the daemon, and the container crash-loops, loading from disk on
+    every try (k8s-pod.yaml set none, so waited the default 300 s, beside a 900 s probe)."""
+    for file, _, spec in serving_pods():
+        if file != name:
+            continue
+        budget = max(startup_budget_s(c) for c in all_containers(spec))
+        waits = [w for c in all_containers(spec) if (w := engine_wait_s(c)) is not None]
+        assert waits and budget > 0, f"{name}: no engine with ipc_cache, or no startup probe"
+        assert min(waits) >= budget, f"{name}: the engine waits {min(waits)} s, the startup probes allow {budget} s"
+
+
 @pytest.mark.parametrize("name", ["k8s-pod.yaml", "k8s-deployment.yaml"])
 def test_one_container_stops_the_engine_before_the_daemon(name):
     """The daemon must outlive the engine's drain (the engine serves from its memory): the script's

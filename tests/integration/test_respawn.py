@@ -201,6 +201,11 @@ def test_a_configuration_error_of_the_worker_ends_the_supervisor_with_status_2(p
     assert "Weight cache daemon did not become ready within 1.0s" in log
     assert RespawnError.CONFIG.format(pid=worker) in log
     assert "died" not in log  # not counted as a crash: nothing was respawned
+    # The first worker was never a spare: it waits once, and says nothing of a spare that failed
+    # (it waited state_timeout_s twice, and logged "Spare engine worker pid N could not prepare").
+    assert log.count("Waiting up to 1.0s for the weight cache daemon to start") == 1, log
+    assert log.count("Weight cache daemon did not become ready within 1.0s") == 1, log
+    assert "Spare engine worker" not in log, log
 
 
 def test_more_than_one_rank_is_refused_naming_the_flag(tiny_model, wcache_env):

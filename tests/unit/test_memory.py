@@ -12,7 +12,7 @@ from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.engine.engine import Engine
 from wcache.engine.runner import EngineOptions
-from wcache.errors import ExternalWeightsExceedBudgetError, KVCacheBudgetError
+from wcache.errors import ExternalWeightsExceedBudgetError, FreeMemoryError, KVCacheBudgetError
 from wcache.model.llama import bind_weights, build_meta_model
 
 MiB = 1 << 20
@@ -120,6 +120,34 @@ def test_max_model_len_from_the_budget():
         memory.size_max_model_len(empty, None, 2048, 512)
 
 
+def kv_error(plan, requested, default=20) -> str:
+    with pytest.raises(KVCacheBudgetError) as e:
+        memory.size_max_model_len(plan, requested, default, 512)
+    return str(e.value).split(". ", 1)[1]  # the way out, after the split
+
+
+def test_the_kv_cache_error_names_the_way_out_that_works():
+    """A higher utilization only where one below 1 holds everything; --max-model-len when the
+    activation peak over it (or the sequence) is what does not fit; the weights alone too big."""
+    gpu = dict(device="cuda", capacity=100 * MiB, utilization=0.5, external_weights=0, kv_bytes_per_token=MiB)
+    assert kv_error(memory.MemoryPlan(own_weights=50 * MiB, activation_peak=0, **gpu), None) == (
+        "Raise --gpu-memory-utilization to at least 0.70 (the GPU must have that much free: memory other processes "
+        "hold is not counted), or lower --max-model-len (the activation peak, 0 B, is measured over 20 tokens and "
+        "shrinks with them)")
+    # The activation peak over 20 tokens (95 MiB) with the weights exceeds the card: no utilization helps.
+    assert kv_error(memory.MemoryPlan(own_weights=10 * MiB, activation_peak=95 * MiB, **gpu), None) == (
+        "No utilization fits: the weights, the activation peak over 20 tokens (95.00 MiB) and one sequence of 20 "
+        "tokens need 125.00 MiB of the device's 100.00 MiB. Lower --max-model-len")
+    assert kv_error(memory.MemoryPlan(own_weights=120 * MiB, activation_peak=0, **gpu), None) == (
+        "The weights alone need 120.00 MiB of the device's 100.00 MiB: give each rank a smaller share of the model "
+        "(more tensor or pipeline parallelism)")
+    fifty = memory.MemoryPlan("cpu", 100 * MiB, 0.5, 0, 0, 0, MiB)  # 50 tokens fit
+    assert kv_error(fifty, 60) == ("Raise --gpu-memory-utilization to at least 0.60, or --cpu-memory-capacity, or "
+                                   "lower --max-model-len to at most 50")
+    assert kv_error(fifty, 200).endswith("need 200.00 MiB of the device's 100.00 MiB. Lower --max-model-len to "
+                                         "at most 50")
+
+
 def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
     """A real engine from disk: the plan adds up, the KV cache it allocates is the sized one, and a
     request longer than the budget allows is refused by the HTTP layer's length check."""
@@ -141,3 +169,72 @@ def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):
                                                  "budget holds 100"):
         Engine.start(cfg, EngineOptions("safetensors", max_model_len=512, cpu_memory_capacity=capacity,
                                         gpu_memory_utilization=1.0, enable_autotune=False))
+
+
+GiB = 1 << 30
+
+
+def test_free_memory_check_refuses_what_other_processes_hold():
+    """vLLM's start check, with numbers: 80 GiB card, another process holds 20 GiB, so 0.9 x 80 = 72
+    GiB cannot be had; the message is upstream's, with the utilization that fits what is free."""
+    memory.check_free_memory(free=75 * GiB, total=80 * GiB, utilization=0.9, counted=0)
+    with pytest.raises(FreeMemoryError) as e:
+        memory.check_free_memory(free=59 * GiB, total=80 * GiB, utilization=0.9, counted=0)
+    assert str(e.value) == (
+        "Free memory on device (59.00/80.00 GiB) on startup is less than desired GPU memory utilization (0.9, "
+        "72.00 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes. "
+        "--gpu-memory-utilization 0.73 fits what is free now")
+    with pytest.raises(FreeMemoryError, match="no utilization fits what is free now"):
+        memory.check_free_memory(free=GiB // 2, total=80 * GiB, utilization=0.5, counted=0)
+
+
+def test_free_memory_check_counts_the_daemons_weights_inside_the_budget():
+    """zero_copy: the daemon's 16 GiB are on the device before the engine starts, so not free, yet the
+    budget counts them (external weights). Free 63 GiB + 16 GiB mapped holds 0.9 x 80: no refusal,
+    where comparing free memory with the whole budget would refuse every normal zero_copy start."""
+    memory.check_free_memory(free=63 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB)
+    with pytest.raises(FreeMemoryError) as e:
+        memory.check_free_memory(free=40 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB)
+    assert str(e.value).endswith(
+        "16.00 GiB of the budget is on the device already (this engine's weights and those it maps from the "
+        "weight cache daemon), so the budget needed 56.00 GiB free; --gpu-memory-utilization 0.70 fits what "
+        "is free now")
+
+
+def test_free_memory_check_skips_a_cpu_device():
+    """On CPU the capacity is a setting (--cpu-memory-capacity); there is no free figure to compare."""
+    memory.check_device_free(torch.device("cpu"), 0.99, external=0, spare_reserve=0)
+
+
+def test_a_cuda_out_of_memory_is_named_not_a_traceback():
+    """The conversion alone (the GPU test provokes a real one); a CPU error passes through untouched."""
+    with pytest.raises(ValueError):
+        with memory.out_of_memory_named(torch.device("cpu"), 0.9, "sizing"):
+            raise ValueError("not memory")
+
+
+def test_a_refusal_waits_while_a_dead_processs_memory_comes_back():
+    """A promoted --respawn spare may read the free memory while the dead worker's is still being
+    given back: the check reads again for FREE_SETTLE_S, then while it grows; memory that stays
+    taken is refused once FREE_SETTLE_S is over, and growth never holds it past FREE_SETTLE_MAX_S."""
+    def run(frees):
+        t, reads = [0.0], iter(frees)
+
+        def sleep(s):
+            t[0] += s
+
+        def check(free):
+            if free < 10 * GiB:
+                raise FreeMemoryError(f"{free}")
+        try:
+            memory.settle_free(lambda: next(reads), check, clock=lambda: t[0], sleep=sleep)
+            return "ok", t[0]
+        except FreeMemoryError:
+            return "refused", t[0]
+
+    # Back after 4 s, growing from 3 s on: it waits and passes.
+    assert run([GiB] * 6 + [3 * GiB, 6 * GiB, 10 * GiB]) == ("ok", 4.0)
+    # Taken for good: refused once FREE_SETTLE_S is over.
+    assert run([GiB] * 100) == ("refused", memory.FREE_SETTLE_S)
+    # Growing forever: refused at FREE_SETTLE_MAX_S.
+    assert run([i * 16 << 20 for i in range(1000)]) == ("refused", memory.FREE_SETTLE_MAX_S)

@@ -168,8 +168,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a batch slot; past it a request is refused at once with "
                         "503 and Retry-After")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
-                   help="share of the device for weights (the daemon's included), activations and the "
-                        "KV cache")
+                   help="share of the device's total memory for weights (the daemon's included), activations "
+                        "and the KV cache; memory other processes hold is not counted and must fit in the rest "
+                        "(on a GPU the engine refuses to start when it does not)")
     p.add_argument("--cpu-memory-capacity", type=_size, default=None, metavar="SIZE",
                    help="with --device cpu: the memory that --gpu-memory-utilization is a share of, "
                         "e.g. 8GiB (default: the host's physical memory)")

@@ -26,6 +26,12 @@ default the host's physical memory, so CI runs the very same arithmetic). It mus
 
 When the external weights alone exceed the budget the engine refuses to start
 (``ExternalWeightsExceedBudgetError``): no setting of the engine's own can fix that.
+
+Not counted: memory that other processes hold on the device (another engine, a notebook, a daemon's
+copy left behind by a fallback to disk) and the CUDA contexts. The budget is a share of the card's
+total, not of what is free, so all of that must fit in the other ``1 - utilization``. On a GPU the
+engine checks this at start, as vLLM does (``check_free_memory``): the free memory must hold the
+budget less what of it is on the device already.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import math
 import os
 import re
 import weakref
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -43,7 +50,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from wcache.errors import (
     CacheUnusable,
+    DeviceOutOfMemoryError,
     ExternalWeightsExceedBudgetError,
+    FreeMemoryError,
     KVCacheBudgetError,
 )
 
@@ -171,6 +180,82 @@ def check_external(capacity: int, utilization: float, external: int, device_type
             external=format_bytes(external), memory=ExternalWeightsExceedBudgetError.MEMORY[device_type],
             utilization=f"{utilization:g}", capacity=format_bytes(capacity),
             budget=format_bytes(budget), fix=fix)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def check_free_memory(free: int, total: int, utilization: float, counted: int) -> None:
+    """vLLM's start check: the device's ``free`` memory (read after the CUDA context exists) must
+    hold the budget, ``utilization`` x ``total``, less ``counted``: what of the budget is on the
+    device already, so not free, yet inside the budget (this engine's own allocations, and in
+    zero_copy mode the daemon's weights it maps, which the budget counts as external weights).
+    Memory other processes hold is never inside the budget; when it leaves too little, the engine
+    refuses here rather than failing later in a CUDA out-of-memory."""
+    budget = int(total * utilization)
+    needed = budget - counted
+    if free >= needed:
+        return
+    fits = math.floor((free + counted) / total * 100) / 100  # the highest utilization that fits, rounded down
+    fix = FreeMemoryError.FIX_LOWER.format(fits=f"{fits:.2f}") if fits >= 0.01 else FreeMemoryError.FIX_NONE
+    held = FreeMemoryError.HELD.format(counted=_gib(counted), needed=_gib(needed)) if counted else ""
+    raise FreeMemoryError(FreeMemoryError.TEMPLATE.format(
+        free=_gib(free), total=_gib(total), utilization=f"{utilization:g}", budget=_gib(budget), held=held, fix=fix))
+
+
+FREE_SETTLE_S = 3.0  # a refusal reads the free memory again for this long, then while it still grows
+FREE_SETTLE_MAX_S = 30.0  # ... but no longer than this
+_GROWING = 8 << 20  # bytes: the free memory grew between two reads, so a process is still giving it back
+
+
+def check_device_free(device: torch.device, utilization: float, external: int, spare_reserve: int) -> None:
+    """``check_free_memory`` for this engine's device (a GPU; on CPU the capacity is a setting, and
+    nothing is checked). Counted as on the device already: the daemon's weights this engine maps,
+    what this process's allocator holds (its own weights), and a --respawn spare's reserve (the
+    spare may hold it by now; a spare that does not yet only makes the check more lenient)."""
+    if device.type != "cuda":
+        return
+    counted = external + torch.cuda.memory_reserved(device) + spare_reserve
+    total = torch.cuda.mem_get_info(device)[1]
+    settle_free(lambda: int(torch.cuda.mem_get_info(device)[0]),
+                lambda free: check_free_memory(free, total, utilization, counted))
+
+
+def settle_free(read_free, check, clock=None, sleep=None) -> None:
+    """``check(read_free())``, read again while a refusal may be memory still coming back. A killed
+    process's device memory returns while the driver tears its context down, after the process is
+    gone: a --respawn spare promoted after a crash may read before the dead worker's is back. So a
+    refusal reads again for FREE_SETTLE_S, then on while the free memory still grows (at most
+    FREE_SETTLE_MAX_S); memory that stays taken is refused after FREE_SETTLE_S."""
+    import time
+
+    clock, sleep = clock or time.monotonic, sleep or time.sleep
+    start, before = clock(), None
+    while True:
+        free = read_free()
+        try:
+            return check(free)
+        except FreeMemoryError:
+            waited = clock() - start
+            growing = before is not None and free - before >= _GROWING
+            if waited >= FREE_SETTLE_MAX_S or (waited >= FREE_SETTLE_S and not growing):
+                raise
+            before = free
+            sleep(0.5)
+
+
+@contextmanager
+def out_of_memory_named(device: torch.device, utilization: float, phase: str):
+    """A CUDA out-of-memory inside becomes ``DeviceOutOfMemoryError`` (one line, exit 2) with the
+    device's figures and the settings that get past it, instead of a traceback."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info(device)
+        raise DeviceOutOfMemoryError(DeviceOutOfMemoryError.TEMPLATE.format(
+            phase=phase, free=_gib(free), total=_gib(total), utilization=f"{utilization:g}",
+            budget=_gib(int(total * utilization)))) from None
 
 
 class PeakTracker(TorchDispatchMode):
@@ -347,14 +432,35 @@ def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, ma
     what the budget holds when not ``plan.kv_tokens`` (the least of every rank's, or less a
     speculative draft's look-ahead)."""
     tokens = plan.kv_tokens if tokens is None else tokens
-    if tokens < 1:
-        raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split()))
     want = min(requested or default, max_positions)
+    if tokens < 1:
+        raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split(), fix=kv_fix(plan, want, 0)))
     if requested is not None and tokens < want:
-        raise KVCacheBudgetError(KVCacheBudgetError.TOO_LONG.format(length=want, tokens=tokens, split=plan.split()))
+        raise KVCacheBudgetError(KVCacheBudgetError.TOO_LONG.format(length=want, tokens=tokens, split=plan.split(),
+                                                                    fix=kv_fix(plan, want, tokens)))
     if tokens < want:
         log.warning("Max model length %d lowered to %d: the KV cache budget holds no more tokens", want, tokens)
     return min(want, tokens)
+
+
+def kv_fix(plan: MemoryPlan, length: int, tokens: int) -> str:
+    """The way out of a KV cache that cannot hold ``length`` tokens (``tokens`` fit now): a higher
+    utilization where one below 1 holds everything plus one sequence; else a shorter --max-model-len,
+    since the activation peak is measured over it; else the weights alone are too big for the device."""
+    E = KVCacheBudgetError
+    fixed = plan.budget - plan.kv_cache_bytes  # everything but the KV cache
+    need = fixed + length * plan.kv_bytes_per_token
+    needed = math.ceil(need / plan.capacity * 100) / 100
+    if needed < 1:
+        fix = E.FIX_RAISE["cuda" if plan.device.startswith("cuda") else "cpu"].format(needed=f"{needed:.2f}")
+        if tokens:
+            return fix + E.OR_SHORTER.format(tokens=tokens)
+        return fix + E.OR_SHORTER_PEAK.format(peak=format_bytes(plan.activation_peak), length=length)
+    weights = fixed - plan.activation_peak
+    if weights < plan.capacity:
+        return E.FIX_PEAK.format(length=length, peak=format_bytes(plan.activation_peak), need=format_bytes(need),
+                                 capacity=format_bytes(plan.capacity)) + (f" to at most {tokens}" if tokens else "")
+    return E.FIX_SMALL.format(weights=format_bytes(weights), capacity=format_bytes(plan.capacity))
 
 
 def size_num_seqs(plan: MemoryPlan, length: int, slot_tokens: int, requested: int, tokens: int | None = None) -> int:

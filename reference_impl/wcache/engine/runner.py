@@ -282,12 +282,19 @@ class RankRunner:
         return self.graph_pool
 
     def _size_memory(self) -> None:
+        """``_plan_memory``, with a CUDA out-of-memory on the way named as one line (exit 2)."""
+        with memory.out_of_memory_named(self.device, self.options.gpu_memory_utilization,
+                                        "sizing and allocating the KV cache"):
+            self._plan_memory()
+
+    def _plan_memory(self) -> None:
         """Split this rank's budget (memory.py), agree with the other ranks on the longest sequence,
         and allocate the KV cache(s) for it."""
         o, cfg = self.options, self.cfg
         external = sum(memory.external_weights(ld.lease) for ld in self.loads)  # the daemons' own count
         capacity = memory.device_capacity(self.device, o.cpu_memory_capacity)
         memory.check_external(capacity, o.gpu_memory_utilization, external, self.device.type)
+        memory.check_device_free(self.device, o.gpu_memory_utilization, external, self.spare_reserve)
         models = [m for m in (self.model, self.draft) if m is not None]
         want = min(o.max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.shape.max_positions)
         lookahead = self.draft_spec["k"] + 1 if self.draft_spec else 0  # speculative positions past the output

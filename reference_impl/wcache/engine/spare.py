@@ -164,6 +164,8 @@ def prepare(args, at_once: bool):
         phases.context()
         runner.prepare(phases.mark)
     except Exception as e:  # a daemon gone, a file unreadable: the promotion tries again, cold, and says why
+        if at_once and isinstance(e, UserError):
+            raise  # never a spare: this was its start, and a second try would repeat the error (and the wait)
         log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=str(e).splitlines()[0] if str(e) else repr(e)))
         return None, {"warm": False, "cold": "prepare failed"}
     if phases.total is not None:  # what this process holds, whatever the others did meanwhile
@@ -199,6 +201,9 @@ def main() -> int:
     try:
         runner, fields = prepare(args, at_once=bool(waiting))
     except UserError as e:  # a configuration error: the promotion reports it as a plain start would
+        if waiting:  # the first worker's own start failed: report it once, as a plain start does
+            log.error("%s", e)
+            return 2
         runner, fields = None, {"warm": False, "cold": "prepare failed"}
         log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=e))
     try:
