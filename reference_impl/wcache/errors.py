@@ -435,14 +435,13 @@ TOKENIZER_TOO_LARGE = ("The tokenizer of {source} has ids up to {max_id}, past t
 
 
 class FreeMemoryError(UserError):
-    """The engine's start check on a GPU (vLLM's): the device's free memory cannot hold the budget,
-    because other processes (or a fallen-back daemon's weights) hold what it counts on."""
-    # Upstream's text, then what of the budget is on the device already and the setting that fits.
-    TEMPLATE = ("Free memory on device ({free}/{total} GiB) on startup is less than desired GPU memory utilization "
-                "({utilization}, {budget} GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
-                "processes. {held}{fix}")
-    HELD = ("{counted} GiB of the budget is on the device already (this engine's weights and those it maps from "
-            "the weight cache daemon), so the budget needed {needed} GiB free; ")
+    """The engine's start check on a GPU: the device's free memory cannot hold what the engine's plan will
+    still allocate, because other processes (or a fallen-back daemon's weights) hold it."""
+    # Upstream's first sentence and advice, measured against what this engine still needs (memory.py).
+    TEMPLATE = ("Free memory on device ({free}/{total} GiB) on startup is less than this engine still needs "
+                "({needed} GiB for its KV cache, CUDA graphs and activations, within GPU memory utilization "
+                "{utilization}, {budget} GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+                "processes. {fix}")
     FIX_LOWER = "--gpu-memory-utilization {fits} fits what is free now"
     FIX_NONE = "no utilization fits what is free now: stop the processes that hold the GPU's memory (nvidia-smi lists them)"
 

@@ -65,26 +65,30 @@ def one_error_line(out: subprocess.CompletedProcess, start: str) -> str:
 
 
 def test_memory_held_by_another_process_refuses_the_start(tiny_model, wcache_env):
-    """A budget of the card's total less 2 GiB while another process holds 4 GiB: no free memory can
-    hold it, so the engine refuses at start, naming both figures and a utilization that fits.
-    Without the check the engine started (its KV cache is 128 MiB) and this run timed out."""
+    """A budget of the card's total less 2 GiB, with slots enough (262,144 of 512 tokens: 128 GiB) that
+    the KV cache takes all of it, while another process holds 4 GiB: the plan cannot be had, so the
+    engine refuses at start, naming both figures and a utilization that fits. Without the check it
+    failed in a CUDA out-of-memory."""
     total = torch.cuda.mem_get_info()[1]
     utilization = 1 - 2 * GiB / total
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env=wcache_env)
     try:
         assert holder.stdout.readline().strip() == "held"
-        out = subprocess.run([sys.executable, "-m", "wcache.cli", *serve_argv(tiny_model, utilization)],
+        out = subprocess.run([sys.executable, "-m", "wcache.cli",
+                              *serve_argv(tiny_model, utilization, "--max-num-seqs", "262144")],
                              capture_output=True, text=True, env=wcache_env, timeout=240)
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
     line = one_error_line(out, "Free memory on device")
-    m = re.search(r"Free memory on device \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
-                  r"utilization \(([\d.]+), ([\d.]+) GiB\)\. Decrease GPU memory utilization or reduce GPU memory "
-                  r"used by other processes\. .*--gpu-memory-utilization ([\d.]+) fits what is free now", line)
+    m = re.search(r"Free memory on device \(([\d.]+)/([\d.]+) GiB\) on startup is less than this engine still "
+                  r"needs \(([\d.]+) GiB for its KV cache, CUDA graphs and activations, within GPU memory "
+                  r"utilization [\d.]+, ([\d.]+) GiB\)\. Decrease GPU memory utilization or reduce GPU memory "
+                  r"used by other processes\. --gpu-memory-utilization ([\d.]+) fits what is free now", line)
     assert m, line
-    free, shown_total, _, budget, fits = map(float, m.groups())
+    free, shown_total, needed, budget, fits = map(float, m.groups())
+    assert free < needed <= budget
     assert abs(shown_total - total / GiB) < 0.01
     assert free <= shown_total - HELD / GiB and budget > free
     assert fits < utilization

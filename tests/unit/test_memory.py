@@ -175,35 +175,41 @@ GiB = 1 << 30
 
 
 def test_free_memory_check_refuses_what_other_processes_hold():
-    """vLLM's start check, with numbers: 80 GiB card, another process holds 20 GiB, so 0.9 x 80 = 72
-    GiB cannot be had; the message is upstream's, with the utilization that fits what is free."""
-    memory.check_free_memory(free=75 * GiB, total=80 * GiB, utilization=0.9, counted=0)
+    """The start check, with numbers: 80 GiB card, the plan still needs 60 GiB (a KV cache bounded by
+    the budget), another process holds 21 GiB: refused, with upstream's first sentence and advice and
+    the utilization that fits what is free."""
+    memory.check_free_memory(free=75 * GiB, total=80 * GiB, utilization=0.9, counted=0, needed=60 * GiB)
     with pytest.raises(FreeMemoryError) as e:
-        memory.check_free_memory(free=59 * GiB, total=80 * GiB, utilization=0.9, counted=0)
+        memory.check_free_memory(free=59 * GiB, total=80 * GiB, utilization=0.9, counted=0, needed=60 * GiB)
     assert str(e.value) == (
-        "Free memory on device (59.00/80.00 GiB) on startup is less than desired GPU memory utilization (0.9, "
-        "72.00 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes. "
-        "--gpu-memory-utilization 0.73 fits what is free now")
+        "Free memory on device (59.00/80.00 GiB) on startup is less than this engine still needs (60.00 GiB for "
+        "its KV cache, CUDA graphs and activations, within GPU memory utilization 0.9, 72.00 GiB). Decrease GPU "
+        "memory utilization or reduce GPU memory used by other processes. --gpu-memory-utilization 0.73 fits "
+        "what is free now")
     with pytest.raises(FreeMemoryError, match="no utilization fits what is free now"):
-        memory.check_free_memory(free=GiB // 2, total=80 * GiB, utilization=0.5, counted=0)
+        memory.check_free_memory(free=GiB // 2, total=80 * GiB, utilization=0.5, counted=0, needed=GiB)
+
+
+def test_free_memory_check_asks_only_for_what_the_plan_allocates():
+    """A small model's KV cache is --max-num-seqs x --max-model-len tokens, far below its budget: 2 GiB
+    free holds what it still needs (1 GiB) beside other processes, where comparing free memory with
+    the whole budget (vLLM's check, whose KV cache takes all the budget) would refuse it, and every
+    engine of the GPU tier's workers side by side."""
+    memory.check_free_memory(free=2 * GiB, total=80 * GiB, utilization=0.9, counted=0, needed=GiB)
 
 
 def test_free_memory_check_counts_the_daemons_weights_inside_the_budget():
-    """zero_copy: the daemon's 16 GiB are on the device before the engine starts, so not free, yet the
-    budget counts them (external weights). Free 63 GiB + 16 GiB mapped holds 0.9 x 80: no refusal,
-    where comparing free memory with the whole budget would refuse every normal zero_copy start."""
-    memory.check_free_memory(free=63 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB)
+    """zero_copy: the daemon's 16 GiB are on the device before the engine starts, so not free, yet
+    inside the budget: the utilization that fits counts them (free 40 + 16 of 80 GiB: 0.70)."""
+    memory.check_free_memory(free=63 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB, needed=56 * GiB)
     with pytest.raises(FreeMemoryError) as e:
-        memory.check_free_memory(free=40 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB)
-    assert str(e.value).endswith(
-        "16.00 GiB of the budget is on the device already (this engine's weights and those it maps from the "
-        "weight cache daemon), so the budget needed 56.00 GiB free; --gpu-memory-utilization 0.70 fits what "
-        "is free now")
+        memory.check_free_memory(free=40 * GiB, total=80 * GiB, utilization=0.9, counted=16 * GiB, needed=56 * GiB)
+    assert str(e.value).endswith("--gpu-memory-utilization 0.70 fits what is free now")
 
 
 def test_free_memory_check_skips_a_cpu_device():
     """On CPU the capacity is a setting (--cpu-memory-capacity); there is no free figure to compare."""
-    memory.check_device_free(torch.device("cpu"), 0.99, external=0, spare_reserve=0)
+    memory.check_device_free(torch.device("cpu"), 0.99, counted=0, needed=1 << 60)
 
 
 def test_a_cuda_out_of_memory_is_named_not_a_traceback():

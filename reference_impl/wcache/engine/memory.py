@@ -30,8 +30,8 @@ When the external weights alone exceed the budget the engine refuses to start
 Not counted: memory that other processes hold on the device (another engine, a notebook, a daemon's
 copy left behind by a fallback to disk) and the CUDA contexts. The budget is a share of the card's
 total, not of what is free, so all of that must fit in the other ``1 - utilization``. On a GPU the
-engine checks this at start, as vLLM does (``check_free_memory``): the free memory must hold the
-budget less what of it is on the device already.
+engine checks at start that the free memory holds what its plan will still allocate
+(``check_free_memory``), and refuses in one line, as vLLM does, rather than fail in an out-of-memory.
 """
 
 from __future__ import annotations
@@ -186,22 +186,25 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def check_free_memory(free: int, total: int, utilization: float, counted: int) -> None:
-    """vLLM's start check: the device's ``free`` memory (read after the CUDA context exists) must
-    hold the budget, ``utilization`` x ``total``, less ``counted``: what of the budget is on the
-    device already, so not free, yet inside the budget (this engine's own allocations, and in
-    zero_copy mode the daemon's weights it maps, which the budget counts as external weights).
-    Memory other processes hold is never inside the budget; when it leaves too little, the engine
-    refuses here rather than failing later in a CUDA out-of-memory."""
-    budget = int(total * utilization)
-    needed = budget - counted
+def check_free_memory(free: int, total: int, utilization: float, counted: int, needed: int) -> None:
+    """The start check on a GPU: the device's ``free`` memory must hold what this engine will still
+    allocate, ``needed`` (its KV cache, CUDA graphs and activations, as the plan sized them). vLLM
+    compares free memory with the whole budget, because its KV cache takes all the budget leaves;
+    wcache's takes at most ``--max-num-seqs`` x ``--max-model-len`` tokens of it, so a small model's
+    engine needs far less than its budget, and engines side by side on one GPU start (the GPU test
+    tier runs so). Where the KV cache is bounded by the budget, the two checks are the same.
+    On refusal the message names the utilization that fits: the budget at most ``free`` plus
+    ``counted``, what of the budget is on the device already (this engine's own allocations, and in
+    zero_copy mode the daemon's weights it maps)."""
     if free >= needed:
         return
+    budget = int(total * utilization)
     fits = math.floor((free + counted) / total * 100) / 100  # the highest utilization that fits, rounded down
-    fix = FreeMemoryError.FIX_LOWER.format(fits=f"{fits:.2f}") if fits >= 0.01 else FreeMemoryError.FIX_NONE
-    held = FreeMemoryError.HELD.format(counted=_gib(counted), needed=_gib(needed)) if counted else ""
+    fix = (FreeMemoryError.FIX_LOWER.format(fits=f"{fits:.2f}") if 0.01 <= fits < utilization
+           else FreeMemoryError.FIX_NONE)
     raise FreeMemoryError(FreeMemoryError.TEMPLATE.format(
-        free=_gib(free), total=_gib(total), utilization=f"{utilization:g}", budget=_gib(budget), held=held, fix=fix))
+        free=_gib(free), total=_gib(total), needed=_gib(needed), utilization=f"{utilization:g}", budget=_gib(budget),
+        fix=fix))
 
 
 FREE_SETTLE_S = 3.0  # a refusal reads the free memory again for this long, then while it still grows
@@ -209,17 +212,15 @@ FREE_SETTLE_MAX_S = 30.0  # ... but no longer than this
 _GROWING = 8 << 20  # bytes: the free memory grew between two reads, so a process is still giving it back
 
 
-def check_device_free(device: torch.device, utilization: float, external: int, spare_reserve: int) -> None:
+def check_device_free(device: torch.device, utilization: float, counted: int, needed: int) -> None:
     """``check_free_memory`` for this engine's device (a GPU; on CPU the capacity is a setting, and
-    nothing is checked). Counted as on the device already: the daemon's weights this engine maps,
-    what this process's allocator holds (its own weights), and a --respawn spare's reserve (the
-    spare may hold it by now; a spare that does not yet only makes the check more lenient)."""
+    nothing is checked). Blocks this process's allocator keeps but no tensor uses count as free."""
     if device.type != "cuda":
         return
-    counted = external + torch.cuda.memory_reserved(device) + spare_reserve
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     total = torch.cuda.mem_get_info(device)[1]
-    settle_free(lambda: int(torch.cuda.mem_get_info(device)[0]),
-                lambda free: check_free_memory(free, total, utilization, counted))
+    settle_free(lambda: int(torch.cuda.mem_get_info(device)[0]) + cached,
+                lambda free: check_free_memory(free, total, utilization, counted, needed))
 
 
 def settle_free(read_free, check, clock=None, sleep=None) -> None:

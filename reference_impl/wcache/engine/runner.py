@@ -294,7 +294,6 @@ class RankRunner:
         external = sum(memory.external_weights(ld.lease) for ld in self.loads)  # the daemons' own count
         capacity = memory.device_capacity(self.device, o.cpu_memory_capacity)
         memory.check_external(capacity, o.gpu_memory_utilization, external, self.device.type)
-        memory.check_device_free(self.device, o.gpu_memory_utilization, external, self.spare_reserve)
         models = [m for m in (self.model, self.draft) if m is not None]
         want = min(o.max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.shape.max_positions)
         lookahead = self.draft_spec["k"] + 1 if self.draft_spec else 0  # speculative positions past the output
@@ -318,6 +317,12 @@ class RankRunner:
         # A speculative engine decodes one sequence at a time (see engine.py): one slot.
         want_seqs = 1 if self.draft is not None else o.max_num_seqs
         self.num_seqs = memory.size_num_seqs(plan, self.max_model_len, size, want_seqs, tokens=tokens + lookahead)
+        # What the plan will still allocate must be free: other processes' memory is outside the budget.
+        own = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        counted = external + self.spare_reserve + own
+        memory.check_device_free(self.device, o.gpu_memory_utilization, counted,
+                                 needed=self.num_seqs * size * plan.kv_bytes_per_token + plan.graph_pool
+                                 + plan.activation_peak)
         self.kv_cache = self.model.new_cache(size, self.num_seqs)
         if self.tiled:
             self.gpu = GpuSteps(self.model, self.kv_cache, self.num_seqs, graphs=not o.enforce_eager)
