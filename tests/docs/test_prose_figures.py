@@ -237,6 +237,8 @@ PAGES: dict[str, dict[str, object]] = {
                          lambda d: f"x{d['vs_one']['decode_tokens_per_s']}"),
         "94 tokens/s": Record("2026-12-06-h100-http-streaming-llama-8b.json",
                               lambda d: f"{d['one_client']['decode_tokens_per_s']:.0f} tokens/s"),
+        "3,027 tokens/s": Record("2026-12-06-h100-http-streaming-llama-8b.json",
+                                 lambda d: f"{d['decode_tokens_per_s']:,.0f} tokens/s"),
         "x28": Record("2026-12-06-h100-http-streaming-llama-8b.json", lambda d: f"x{d['vs_one']['ttft_p99']:.0f}"),
         "35.9 ms": Record("2026-12-05-xeon-tiny-respawn.json",
                           lambda d: f"{d['median_s']['death_to_next_200'] * 1000:.1f} ms"),

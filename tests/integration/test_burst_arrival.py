@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -80,7 +81,8 @@ def test_a_lone_request_is_not_waited_for_once_it_is_in_the_queue(served, engine
 def test_a_request_still_arriving_shares_the_idle_engines_first_step(served, engine, monkeypatch):
     """One connection has sent half its head (a request arriving) when another request reaches an
     idle engine: the first step waits for it, so both prompts run in one step. The half request
-    is finished 0.3 s later, well inside the (raised) bound.
+    is finished once the first is seen waiting in the queue (and still there 0.3 s later), well
+    inside the (raised) bound.
     The break it catches: the burst wait off (the scheduler not asking ``wait_arrived``): the
     first request ran alone and the second took a step of its own (2 steps)."""
     server, waits = served
@@ -93,8 +95,12 @@ def test_a_request_still_arriving_shares_the_idle_engines_first_step(served, eng
         first = {}
         sender = threading.Thread(target=lambda: first.update(r=post(port)))
         sender.start()
+        deadline = time.monotonic() + 30
+        while engine.num_requests_waiting() != 1:  # the first one is queued, and held there
+            assert time.monotonic() < deadline and sender.is_alive()
+            time.sleep(0.005)
         sender.join(0.3)
-        assert sender.is_alive()  # held by the wait: the other request is still arriving
+        assert sender.is_alive() and engine.num_requests_waiting() == 1  # held by the wait
         b = body()
         late.sendall(b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b))
         answer = late.makefile("rb").readline()

@@ -175,9 +175,10 @@ def test_a_non_streamed_completion_stops_when_its_client_leaves(engine):
         assert time.monotonic() < deadline, access_lines(engine)[before:]
         time.sleep(0.1)
     made = [int(re.search(r"generation_tokens=(\d+)", line).group(1)) for line in gone]
-    # Its first piece of text asks; the step under way may give one more token (two with its prompt's).
-    print("tokens made:", made)
-    assert all(1 <= n <= 3 for n in made), made
+    # Its first piece of text asks, and the sequence leaves before the next step. The engine does not
+    # wait for the request's thread, so a thread the machine's load keeps off a core meanwhile lets
+    # a few more steps run (alone, [1, 1, 1]): a bound far from the break's 300, and from LONG.
+    assert all(1 <= n <= 20 for n in made), made
     assert complete(engine.port, "Hello", 8)["usage"]["completion_tokens"] == 8
 
 

@@ -286,6 +286,47 @@ def test_a_busy_worker_keeps_beating(procs, tiny_model):
     assert p.stop() == 0
 
 
+STUCK_PASS = os.path.join(os.path.dirname(__file__), "stuck_pass")  # its sitecustomize.py
+
+
+def test_a_pass_stuck_while_the_worker_runs_is_killed_as_hung_and_the_spare_answers(procs, tiny_model, tmp_path):
+    """SIGSTOP (above) stops the heartbeat's thread with the rest, so it cannot tell whether the
+    beat watches the passes. Here only the forward pass is stuck (tests/integration/stuck_pass:
+    it waits while a file exists) and the worker runs on: it must stop beating once the pass
+    outlasts half the bound, be killed as hung, and the spare answer.
+    The break it catches: the heartbeat beating through a stuck pass (Heartbeat.run's stall check
+    replaced by ``if True``, or spare.py not calling ``heartbeat.watch``): no kill, no answer."""
+    trigger = tmp_path / "stuck"
+    env = {"PYTHONPATH": os.pathsep.join([STUCK_PASS, os.environ.get("PYTHONPATH", "")]),
+           "WCACHE_TEST_STUCK_FILE": str(trigger)}
+    p = procs.serve(tiny_model, "--respawn", "--respawn-heartbeat-timeout", "1", env=env)
+    wait_spares(p, 1)
+    stuck, spare = ready_pids(p.log())[0], spare_pids(p.log())[0]
+    assert post(p.port) == 200
+    trigger.touch()
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(post(p.port, timeout=60)))
+    client.start()
+    states = set()  # the worker's scheduler state while its pass is stuck: never stopped (T)
+    hung_line = HUNG.split("{pid}")[0] + f"{stuck} hung: no heartbeat for "
+    deadline = time.monotonic() + 30  # the bound is 1 s
+    while hung_line not in p.log():
+        assert time.monotonic() < deadline, p.log()[-3000:]
+        try:
+            with open(f"/proc/{stuck}/stat") as stat:
+                states.add(stat.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            break  # killed between the log line and this read
+        time.sleep(0.05)
+    assert hung_line in p.log() and "T" not in states, states
+    trigger.unlink()  # the spare's passes are not stuck
+    p.wait_for_log(f"Respawned: engine worker pid {spare} ready")
+    client.join(60)
+    assert post(p.port) == 200
+    assert f"Engine worker pid {stuck} died ({HUNG_CAUSE}); promoting spare pid {spare}" in p.log()
+    assert p.stop() == 0
+
+
 def test_each_respawn_logs_its_timeline_on_the_monotonic_clock(procs, tiny_model):
     import json
 
