@@ -272,7 +272,7 @@ PAGES: dict[str, dict[str, object]] = {
     },
     "kubernetes.md": {
         **{f: Stated(SETTINGS) for f in ("5 s", "30 s", "35 s", "10 s", "60 s", "64 MiB", "1 GiB", "8 GiB",
-                                         "4 GiB", "900 s")},
+                                         "4 GiB", "900 s", "300 s")},
         "16 GB": Record(DAEMON_MEMORY, lambda d: f"{d['model']['bytes'] / 1e9:.0f} GB"),
         "2668 MiB": Record(DAEMON_MEMORY, lambda d: f"{d['rss_mib']:.0f} MiB"),
         "1349 MiB": Record(DAEMON_MEMORY, lambda d: f"{d['load_peaks_mib']['RssAnon']:.0f} MiB"),
@@ -290,9 +290,14 @@ PAGES: dict[str, dict[str, object]] = {
         "1.1 GiB": Record(RESPAWN_H200, lambda d: gib(_mem(d, "serving_rss_bytes"))),
     },
     "validation.md": {
+        **{f: Stated(SETTINGS) for f in ("300 s", "900 s")},
         "80 GB": Stated("the H100's memory, a hardware fact"),
         "469 MiB": Record(SMALL, lambda d: bench_records.fmt_bytes(d["model"]["bytes"])),
         "600 s": Stated("the device tool's limit per call, a setting"),
+    },
+    "gpu-ci.md": {
+        "80 GB": Stated("an H100's memory, a hardware fact"),
+        "469 MiB": Record(SMALL, lambda d: bench_records.fmt_bytes(d["model"]["bytes"])),
     },
     "gpu-transports.md": {"14.96 GiB": Record(LLAMA_8B, lambda d: bench_records.fmt_bytes(d["model"]["bytes"]))},
     "security.md": {
