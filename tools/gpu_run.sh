@@ -29,7 +29,8 @@
 #                                                    -> llama-8b-respawn.json and .log
 #   batching         the continuous-batching and respawn GPU tests alone (240)  -> gpu-batching.log
 #   stream           llama-8b checkpoint (240), then 64 streaming clients against one, bf16
-#                    (python -m wcache.bench.streaming --vs-one, 300) -> llama-8b-streaming.json and .log
+#                    (python -m wcache.bench.streaming --vs-one, then the bare step: the model read
+#                    again and two graphs; 420) -> llama-8b-streaming.json and .log
 # tests + pages1 + pages2 together are `make test-gpu` (WCACHE_RUN_GPU_BLOCKS=1 pytest tests -m gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,7 +111,7 @@ for s in "$@"; do
                 tests/gpu/test_batching_gpu.py tests/gpu/test_respawn_gpu.py || rc=1 ;;
     stream)
       checkpoint /tmp/llama-8b llama-8b || rc=1
-      stage "stream llama-8b" 300 llama-8b-streaming.log python3 -m wcache.bench.streaming /tmp/llama-8b --clients 64 \
+      stage "stream llama-8b" 420 llama-8b-streaming.log python3 -m wcache.bench.streaming /tmp/llama-8b --clients 64 \
         --max-tokens 128 --vs-one --device cuda --dtype bfloat16 --output "$OUT/llama-8b-streaming.json" || rc=1 ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac

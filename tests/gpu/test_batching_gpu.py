@@ -109,7 +109,7 @@ def test_a_request_that_joins_a_decoding_batch_keeps_its_tokens(graphed):
 def test_the_steps_record_gpu_time_idle_time_and_row_buckets(graphed):
     # engine/step_clock.py on a GPU: CUDA events give each busy period's device time and the idle
     # between steps; a lone request computes 1 row a step (its bucket), a batch more.
-    graphed.generate("A lone one", 12)
+    graphed.generate("A long answer", 12)  # (its first 200 tokens have no EOS: the test above)
     lone = graphed.clock.as_json()["busy_periods"][-1]["decode_steps"]
     assert lone["rows"] == 1 and lone["graph_rows"] == 1, lone
     together(lambda i: graphed.generate(*REQUESTS[i]), len(REQUESTS))

@@ -26,10 +26,10 @@ pytestmark = [
 SLOTS, SLOT_LEN = 64, 1024
 
 
-def llama_8b_layer(quant: str):
-    """One llama-8b layer, its LM head and norms, random weights; the embedding a strided window over
-    a few kilobytes (distinct rows, no 1 GB table)."""
-    shape = ModelShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=1, num_heads=32,
+def llama_8b_layer(quant: str, layers: int = 1):
+    """One llama-8b layer (or ``layers``: tools/probes/bucket_check.py), its LM head and norms, random
+    weights; the embedding a strided window over a few kilobytes (distinct rows, no 1 GB table)."""
+    shape = ModelShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers, num_heads=32,
                        num_kv_heads=8, head_dim=128, rope=rope.Rope.from_parameters({"rope_theta": 500000.0}),
                        rms_norm_eps=1e-5, max_positions=8192, tie_embeddings=False)
     method = (Fp8BlockCheckpoint({"quant_method": "fp8", "weight_block_size": [128, 128]}) if quant == "fp8"

@@ -308,6 +308,11 @@ class Engine:
                 graph_rows += r.gpu.last_rows if r.gpu is not None else len(batch)
                 for seq, tok in zip(batch, toks):
                     self._emit(seq, [tok])
+        if r.world.size == 1 and r.draft is None:
+            # Running slots packed at the bottom: a GPU step decodes the slots up to the last running
+            # one (gpu_steps.py). The keys move with their sequence (every position it holds).
+            for seq, old, new in self.scheduler.compact():
+                r.move_slot(old, new, seq.position)
         st = self.stats
         st.steps += 1
         st.step_s += time.perf_counter() - t0

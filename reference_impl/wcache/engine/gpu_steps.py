@@ -15,8 +15,9 @@ in a batch than alone. Here a pass's shape depends on which slots run, and every
   first ``rows`` slots up to its last running one, ``rows`` a bucket (1, 2, 4, ... the tile): a slot
   is a row (model/llama.py ``Tile``), idle ones inside the bucket included, each over the first
   ``length`` positions of its own slot, ``length`` a bucket too (a power of two from FIRST_BUCKET, at
-  most the slot), the keys past its position masked. The scheduler hands out the lowest free slot,
-  so the running slots stay packed at the bottom and a lone request decodes 1 row.
+  most the slot), the keys past its position masked. The scheduler hands out the lowest free slot
+  and moves running sequences down into the holes finished ones leave (their keys copied:
+  scheduler.compact), so the running slots stay packed at the bottom and a lone request decodes 1 row.
 * A prompt runs alone, padded to a bucket of its length (16, 32, ... PROMPT_GRAPH_MAX; the padding
   comes after it, and a causal pass never lets a position see later ones); a longer prompt runs
   eagerly at its own length. Either way its pass is the one it gets alone.

@@ -408,6 +408,13 @@ class RankRunner:
             return self.gpu.prompt(slots[0], tokens)
         return None
 
+    def move_slot(self, old: int, new: int, length: int) -> None:
+        """A world of one: a sequence's first ``length`` KV positions from slot ``old`` to ``new``
+        (the scheduler keeps the running slots packed; the copy is exact, so its tokens stay)."""
+        for k, v in self.kv_cache:
+            k[new, :length] = k[old, :length]
+            v[new, :length] = v[old, :length]
+
     # -- one sequence alone (tests, and the speculative engine's rounds) ------------------------
     def speculate(self, slot: int, committed: list[int], lens: list[int]) -> list[int]:
         """One greedy draft-then-verify round for the sequence ``committed`` (prompt and output so

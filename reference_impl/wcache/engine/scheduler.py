@@ -5,7 +5,9 @@ A request waits in a bounded FIFO queue (``--max-waiting-requests``; past it ``a
 once, and the HTTP layer answers 503 with ``Retry-After``). Before each step, waiting requests
 join the running batch while a KV cache slot is free (``--max-num-seqs`` slots, memory.py), each
 taking the lowest free slot; a sequence leaves when it finishes or its client goes away, and its
-slot is free for the next step. So a short request sent while long ones run starts at the next
+slot is free for the next step. Between steps ``compact`` moves the highest running sequences down
+into free slots below them, so the running slots stay packed at the bottom: a GPU decodes the slots
+up to the last running one (engine/gpu_steps.py), and a sequence's tokens do not depend on its slot. So a short request sent while long ones run starts at the next
 step instead of after them.
 
 A burst on an idle engine (many clients sending at once) is admitted together: before the first
@@ -132,6 +134,20 @@ class Scheduler:
                 joining.append(seq)
                 self.running.append(seq)
             return Step(joining, list(self.running))
+
+    def compact(self) -> list[tuple[Sequence, int, int]]:
+        """Move every running sequence that has a free slot below it into the lowest one, highest
+        first: (sequence, old slot, new slot) for each (its slot already the new one). The caller
+        copies their keys before the next pass."""
+        moves = []
+        with self._cv:
+            for seq in sorted((s for s in self.running if s.slot >= 0), key=lambda s: s.slot, reverse=True):
+                if not self._free or self._free[0] > seq.slot:
+                    break
+                new = heapq.heapreplace(self._free, seq.slot)  # the lowest free slot out, the old one in
+                moves.append((seq, seq.slot, new))
+                seq.slot = new
+        return moves
 
     def finish(self, seq: Sequence) -> None:
         with self._cv:

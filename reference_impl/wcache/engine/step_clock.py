@@ -86,6 +86,7 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.gpu = device.type == "cuda"
+        self.device = device
         self.periods: collections.deque[_Period] = collections.deque(maxlen=PERIODS)
         self._period: _Period | None = None
         self._last_end = None  # the previous step's last device event, while the engine stays busy
@@ -119,14 +120,14 @@ class StepClock:
         """Before a pass's first device work (its inputs' copy)."""
         if self.gpu:
             self._open = self._event()
-            self._open.record()
+            self._open.record(torch.cuda.current_stream(self.device))
 
     def device_end(self) -> float:
         """After a pass's last device work (the sampler's argmax): wait for it; the seconds waited."""
         if not self.gpu:
             return 0.0
         end = self._event()
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         t = time.perf_counter()
         end.synchronize()
         waited = time.perf_counter() - t
