@@ -50,7 +50,7 @@ import sys
 import time
 
 from wcache import logs
-from wcache.core import metrics  # the standard library only (prometheus_client is the workers')
+from wcache.core import metrics, no_dump  # the standard library only (prometheus_client is the workers')
 from wcache.engine import handoff
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
 from wcache.engine.reception import Reception
@@ -457,6 +457,7 @@ def exec_supervisor(args, sock: socket.socket, door: dict) -> None:
 
 def main() -> int:
     """The supervisor after the exec: the standard library, wcache.errors and wcache.logs only."""
+    no_dump.forbid()  # the exec set the flag back; the listening socket and the API key: see core/no_dump.py
     spec = json.loads(os.environ.pop(SUPERVISOR_ENV))
     logs.setup(spec["log_level"])
     import argparse  # the Namespace the workers' spec is built from, as before the exec
