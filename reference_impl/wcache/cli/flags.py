@@ -188,6 +188,13 @@ def add_api_args(p) -> None:
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require one of these keys as Authorization: Bearer KEY on /v1/ routes (default: "
                         "$VLLM_API_KEY; the variable keeps the key out of ps)")
+    from wcache.engine import template_sandbox  # the standard library only
+
+    p.add_argument("--chat-template-render-timeout", type=_positive_float, default=template_sandbox.DEFAULT_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="stop a chat template render after this long and answer 400 (the render runs in a worker "
+                        f"process of at most {template_sandbox.RENDER_MEMORY_BYTES >> 20} MiB; default: "
+                        "%(default)g)")
 
 
 def add_http_args(p) -> None:

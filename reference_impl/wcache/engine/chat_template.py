@@ -26,6 +26,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from wcache.engine import template_sandbox
 from wcache.errors import CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_SYNTAX, CHAT_TEMPLATE_CONFIG, UserError
 from wcache.model import tokenizer
 
@@ -50,16 +51,21 @@ class ChatTemplate:
     eos_token: str = tokenizer.EOS_TEXT
 
     def __post_init__(self):
-        object.__setattr__(self, "_compiled", _compile(self.text, self.source))
+        # Compiled in a render worker, as every render is (template_sandbox.py): jinja computes
+        # constant expressions while compiling (`"x" * 10**9`), so a compile is as untrusted as a
+        # render. A syntax error stops start-up with CHAT_TEMPLATE_SYNTAX all the same.
+        error = template_sandbox.RUNNER.check(self.text, self.source)
+        if error is not None:
+            raise ChatTemplateError(error)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """Rendered by a render worker, under a deadline and a memory bound (template_sandbox.py)."""
+        variables = dict(extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=self.bos_token, eos_token=self.eos_token)
         try:
-            return self._compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
-        except jinja2.TemplateError as e:  # raise_exception, an undefined call, a sandbox refusal
-            raise RenderError(str(e) or type(e).__name__) from None
-        except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
-            raise RenderError(f"{type(e).__name__}: {e}") from None
+            return template_sandbox.RUNNER.render(self.text, self.source, variables)
+        except template_sandbox.SandboxError as e:
+            raise RenderError(str(e)) from None
 
     def encode(self, rendered: str) -> list[int]:
         """The rendered prompt's token ids: the BOS and EOS strings it holds become their ids."""
@@ -80,8 +86,21 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def _compile(text: str, source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+def render_compiled(template: jinja2.Template, variables: dict) -> str:
+    """Render in this process: the render worker's side of ``ChatTemplate.render``."""
+    try:
+        return template.render(**variables)
+    except jinja2.TemplateError as e:  # raise_exception, an undefined call, a sandbox refusal
+        raise RenderError(str(e) or type(e).__name__) from None
+    except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
+        raise RenderError(f"{type(e).__name__}: {e}") from None
+
+
+def compile_template(text: str, source: str) -> jinja2.Template:
+    # optimized=False: no constant folding, which would compute `"x" * 10**9` here, at compile time, outside
+    # the render worker's limits (template_sandbox.py)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                                        optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

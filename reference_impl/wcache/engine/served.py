@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from wcache.engine import auth, chat_template
+from wcache.engine import auth, chat_template, template_sandbox
 from wcache.engine.auth import ApiKeys
 from wcache.engine.chat_template import ChatTemplate
 from wcache.errors import SERVED_NAME_EMPTY, UserError
@@ -41,6 +41,9 @@ class ServedModel:
         names = tuple(getattr(args, "served_model_name", None) or (args.model,))
         if any(not n for n in names):
             raise UserError(SERVED_NAME_EMPTY)
+        # Before the template is compiled: that runs in a render worker too, under the same deadline.
+        template_sandbox.RUNNER.timeout_s = getattr(args, "chat_template_render_timeout",
+                                                    template_sandbox.DEFAULT_TIMEOUT_S)
         template = chat_template.load(args.model, getattr(args, "chat_template", None))
         keys = auth.from_flag_or_env(getattr(args, "api_key", None))
         found = ["Chat template: " + (f"from {template.source}" if template else
