@@ -424,7 +424,7 @@ def front_door(args) -> dict:
     import dataclasses
 
     from wcache.engine import openai_api as api
-    from wcache.engine import server
+    from wcache.engine import http_front, server
     from wcache.errors import BUSY_MESSAGE, LOADING
 
     working = getattr(args, "max_concurrent_connections", server.DEFAULT_LIMITS.max_connections)
@@ -432,13 +432,14 @@ def front_door(args) -> dict:
     # The supervisor holds every connection, working or waiting: the front door's two budgets together.
     limits["max_connections"] = working + limits.get("max_waiting_connections", 0)
 
-    def render(payload: dict) -> str:
+    def render(payload: dict, retry: bytes = b"") -> str:
         body = json.dumps(payload).encode()
-        return handoff.encode(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        return handoff.encode(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n%s"
+                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (retry, len(body), body))
 
     return {"limits": limits, "responses": {
-        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=working))),
+        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=working)),
+                       b"Retry-After: %d\r\n" % http_front.BUSY_RETRY_AFTER_S),
         "loading": render(api.error_body(503, LOADING)), "health_loading": render({"status": "loading"}),
         "error_type": "InternalServerError"}}  # vLLM's type for a 500
 
