@@ -193,8 +193,7 @@ def add_api_args(p) -> None:
     p.add_argument("--chat-template-render-timeout", type=_positive_float, default=template_sandbox.DEFAULT_TIMEOUT_S,
                    metavar="SECONDS",
                    help="stop a chat template render after this long and answer 400 (the render runs in a worker "
-                        f"process of at most {template_sandbox.RENDER_MEMORY_BYTES >> 20} MiB; default: "
-                        "%(default)g)")
+                        f"process of at most {template_sandbox.RENDER_MEMORY_BYTES >> 20} MiB)")
 
 
 def add_http_args(p) -> None:
