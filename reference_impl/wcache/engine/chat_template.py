@@ -51,12 +51,7 @@ class ChatTemplate:
     eos_token: str = tokenizer.EOS_TEXT
 
     def __post_init__(self):
-        # Compiled in a render worker, as every render is (template_sandbox.py): jinja computes
-        # constant expressions while compiling (`"x" * 10**9`), so a compile is as untrusted as a
-        # render. A syntax error stops start-up with CHAT_TEMPLATE_SYNTAX all the same.
-        error = template_sandbox.RUNNER.check(self.text, self.source)
-        if error is not None:
-            raise ChatTemplateError(error)
+        check_syntax(self.text, self.source)  # compiled and rendered only in a render worker
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """Rendered by a render worker, under a deadline and a memory bound (template_sandbox.py)."""
@@ -96,18 +91,36 @@ def render_compiled(template: jinja2.Template, variables: dict) -> str:
         raise RenderError(f"{type(e).__name__}: {e}") from None
 
 
-def compile_template(text: str, source: str) -> jinja2.Template:
-    # optimized=False: no constant folding, which would compute `"x" * 10**9` here, at compile time, outside
-    # the render worker's limits (template_sandbox.py)
+def _environment() -> ImmutableSandboxedEnvironment:
+    # optimized=False: no constant folding by jinja's optimizer (the render worker compiles anyway)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
                                         optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _syntax_error(e: jinja2.TemplateSyntaxError, source: str) -> ChatTemplateError:
+    return ChatTemplateError(CHAT_TEMPLATE_SYNTAX.format(source=source, line=e.lineno, error=e.message))
+
+
+def check_syntax(text: str, source: str) -> None:
+    """Parse only, in this process: a syntax error stops start-up. Parsing is linear in the text;
+    compiling is not safe here, since jinja computes constant expressions as it generates code
+    (`"x" * 10**9`: 45 s and 3.8 GB), so only a render worker compiles (template_sandbox.py)."""
     try:
-        return env.from_string(text)
+        _environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(CHAT_TEMPLATE_SYNTAX.format(source=source, line=e.lineno, error=e.message)) from None
+        raise _syntax_error(e, source) from None
+
+
+def compile_template(text: str, source: str) -> jinja2.Template:
+    """Compile: the render worker's side, under its limits."""
+    try:
+        return _environment().from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise _syntax_error(e, source) from None
 
 
 def from_flag(value: str) -> tuple[str, str]:

@@ -89,18 +89,10 @@ class RenderRunner:
     def render(self, text: str, source: str, variables: dict) -> str:
         """The rendered template; SandboxError with the template's own refusal (its
         ``raise_exception``, a sandbox refusal) or the limit that stopped it."""
-        answer = self._ask({"op": "render", "text": text, "source": source, "variables": variables})
+        answer = self._ask({"text": text, "source": source, "variables": variables})
         if "error" in answer:
             raise SandboxError(answer["error"])
         return answer["rendered"]
-
-    def check(self, text: str, source: str) -> str | None:
-        """None when the template compiles; else why not (its syntax error, or the limit it met)."""
-        try:
-            answer = self._ask({"op": "check", "text": text, "source": source})
-        except SandboxError as e:
-            return str(e)
-        return answer.get("error")
 
     def _ask(self, request: dict) -> dict:
         source = request["source"]

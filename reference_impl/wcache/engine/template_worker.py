@@ -36,8 +36,7 @@ def serve() -> int:
             key = (request["text"], request["source"])
             if key not in compiled:
                 compiled = {key: chat_template.compile_template(*key)}
-            answer = {} if request["op"] == "check" else {
-                "rendered": chat_template.render_compiled(compiled[key], request["variables"])}
+            answer = {"rendered": chat_template.render_compiled(compiled[key], request["variables"])}
         except MemoryError:
             answer = {"memory": True}
         except (chat_template.RenderError, chat_template.ChatTemplateError) as e:
