@@ -52,8 +52,11 @@ class _Worker:
 
     def ask(self, request: dict, deadline: float) -> dict | None:
         """The worker's answer, or None at the deadline (the caller kills it)."""
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:  # it died while idle (the OOM killer, a stray signal): not this request's doing
+            return {"died": self.proc.wait(), "idle": True}
         out = self.proc.stdout.fileno()
         while b"\n" not in self.buffer:
             left = deadline - time.monotonic()
@@ -72,7 +75,10 @@ class _Worker:
         self.proc.kill()
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
-            f.close()
+            try:
+                f.close()
+            except OSError:  # a request still buffered for a worker that is gone
+                pass
 
 
 class RenderRunner:
@@ -100,13 +106,11 @@ class RenderRunner:
             with self._lock:
                 worker = self._idle.pop() if self._idle else None
             worker = worker or _Worker()
-            with self._lock:
-                self._busy.add(worker)
-            try:
-                answer = worker.ask({**request, "timeout_s": self.timeout_s}, time.monotonic() + self.timeout_s)
-            finally:
-                with self._lock:
-                    self._busy.discard(worker)
+            answer = self._ask_one(worker, request)
+            if answer is not None and answer.get("idle"):  # a worker that died idle: a fresh one, once
+                worker.kill()
+                worker = _Worker()
+                answer = self._ask_one(worker, request)
             if self._cut:
                 worker.kill()
                 raise SandboxError(CUT.format(source=source))
@@ -122,6 +126,15 @@ class RenderRunner:
             with self._lock:
                 self._idle.append(worker)
         return answer
+
+    def _ask_one(self, worker: _Worker, request: dict) -> dict | None:
+        with self._lock:
+            self._busy.add(worker)
+        try:
+            return worker.ask({**request, "timeout_s": self.timeout_s}, time.monotonic() + self.timeout_s)
+        finally:
+            with self._lock:
+                self._busy.discard(worker)
 
     def cut(self) -> None:
         """A SIGTERM's drain passed its deadline (engine/drain.py): stop every render in flight now,
