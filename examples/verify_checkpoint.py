@@ -13,7 +13,9 @@ traceback after minutes of loading.
                                              of `sha256sum`), read in full: for the copy Job
 
 Exit status 0 when the checkpoint is complete; 1 with `Checkpoint DIR is not usable: ...` on
-stderr otherwise. Standard library only: it runs in any image with Python 3.
+stderr otherwise. Each shard is checked by wcache's own code (wcache/core/shard_header.py, standard
+library only), so this line names the same problem that `wcache serve` and `wcache preload` stop
+with; it runs wherever wcache is installed, as in the image.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import struct
 import sys
 from pathlib import Path
+
+from wcache.core.shard_header import BadShard, check_shard
+from wcache.errors import CHECKPOINT_UNUSABLE
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SUMS = "SHA256SUMS"
-MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
 
 
 class NotUsable(Exception):
@@ -49,31 +52,6 @@ def shards(directory: Path) -> list[str]:
     if (directory / SINGLE).is_file():
         return [SINGLE]
     raise NotUsable(f"neither {INDEX} nor {SINGLE} is there")
-
-
-def check_shard(path: Path) -> int:
-    """The shard's tensor count; NotUsable when its size is not what its header describes."""
-    if not path.is_file():
-        raise NotUsable(f"{path.name} is missing")
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise NotUsable(f"{path.name} is {size} bytes: too short for a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER or 8 + length > size:
-            raise NotUsable(f"{path.name}: header of {length} bytes does not fit in its {size} bytes")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise NotUsable(f"{path.name}: header is not JSON ({e})") from None
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-    expected = 8 + length + end
-    if size != expected:
-        raise NotUsable(f"{path.name} is {size} bytes; its header describes {expected} (truncated or "
-                        "still being copied?)")
-    return len(tensors)
 
 
 def check_sums(directory: Path) -> int:
@@ -122,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         print(verify(args.directory, args.sha256), flush=True)
-    except (NotUsable, OSError) as e:
-        print(f"Checkpoint {args.directory} is not usable: {e}", file=sys.stderr, flush=True)
+    except (NotUsable, BadShard, OSError) as e:
+        print(CHECKPOINT_UNUSABLE.format(model=args.directory, why=e), file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -61,6 +61,7 @@ class QuantizationError(UserError):
     OLD_GPTQ = ("; wcache's load-time grouped int4 method, formerly called 'gptq', was removed: use "
                 "--quantization int8 or fp8 on an unquantized checkpoint")
     BLOCK_WITHOUT_FP8 = "--weight-block-size applies to `wcache make-checkpoint --quantization fp8` only"
+    BLOCK_NOT_SERVED = ("--weight-block-size {block} makes a checkpoint that wcache cannot serve: {why}")
     FP8_FIELD = "FP8 checkpoint {path}: quantization_config.{field} is {value}; {why}"
     FP8_WHY = {
         "activation_scheme": "wcache quantizes activations dynamically only (\"dynamic\")",
@@ -78,6 +79,11 @@ class QuantizationError(UserError):
                         "to have the same precision.")
     MISSING_SCALE = ("FP8 checkpoint {path} lacks {name}: quantization_config says {tensor} is stored block-wise "
                      "in FP8 (list it in modules_to_not_convert if it is not)")
+    FP8_SCALE_DTYPE = "FP8 checkpoint {model}: {tensor} in {file} is {what}; block scales must be float32 (F32)"
+    FP8_WEIGHT_DTYPE = ("FP8 checkpoint {model}: {tensor} in {file} is {what}; a weight with a block scale must be "
+                        "float8_e4m3fn (F8_E4M3)")
+    FP8_SCALE_VALUE = ("FP8 checkpoint {model}: {tensor} in {file} holds {what}; block scales must be finite and "
+                       "positive")
     SCALE_SHAPE = ("FP8 checkpoint {path}: {name} is {shape}, but a {weight} weight with blocks of {block} needs "
                    "scales of {expected}")
 
@@ -453,3 +459,6 @@ class DeviceOutOfMemoryError(UserError):
                 "{budget} GiB): memory outside the budget (CUDA contexts, other processes) took the rest. Lower "
                 "--gpu-memory-utilization (a smaller KV cache), lower --max-model-len (a smaller activation peak), "
                 "or reduce GPU memory used by other processes")
+# A checkpoint file that cannot be read as it is (core/shard_header.py, core/checkpoint.py):
+# `wcache serve`, `wcache preload` and wcache-verify-checkpoint stop with it.
+CHECKPOINT_UNUSABLE = "Checkpoint {model} is not usable: {why}"

@@ -40,7 +40,7 @@ def test_a_complete_checkpoint_passes(model):
 
 @pytest.mark.parametrize("damage, message", [
     ("truncate", "is {size} bytes; its header describes {full} (truncated or still being copied?)"),
-    ("remove", "{name} is missing"),
+    ("remove", "{name}: the file is missing"),
     ("config", "config.json is missing"),
     ("index", "model.safetensors.index.json is not a safetensors index"),
 ])

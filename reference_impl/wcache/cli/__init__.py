@@ -15,6 +15,7 @@ import time
 from wcache import __version__, logs
 from wcache.cli import flags
 from wcache.cli.parser import Parser
+from wcache.core import no_dump
 
 log = logging.getLogger("wcache.cli")
 
@@ -83,6 +84,7 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    no_dump.forbid()  # the engine's and the launcher's memory, sockets and keys: see core/no_dump.py
     argv = sys.argv[1:] if argv is None else argv
     command = command_named(argv)
     if command == "serve":  # the CUDA context is made while the engine imports (early_context.py)

@@ -199,6 +199,12 @@ def add_api_args(p) -> None:
                    help="where the stop ids (eos_token_id) come from: auto, the model directory's "
                         "generation_config.json (else config.json's); vllm, none but the tokenizer's EOS; or a "
                         "directory holding a generation_config.json")
+    from wcache.engine import template_sandbox  # the standard library only
+
+    p.add_argument("--chat-template-render-timeout", type=_positive_float, default=template_sandbox.DEFAULT_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="stop a chat template render after this long and answer 400 (the render runs in a worker "
+                        f"process of at most {template_sandbox.RENDER_MEMORY_BYTES >> 20} MiB)")
 
 
 def add_http_args(p) -> None:

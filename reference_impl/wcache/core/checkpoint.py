@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wcache.core import checkpoint_tokenizer, llama_config
+from wcache.core import checkpoint_tokenizer, llama_config, shard_header
 from wcache.model import fp8
-from wcache.errors import UserError
+from wcache.model.quant import Fp8BlockCheckpoint
+from wcache.errors import CHECKPOINT_UNUSABLE, QuantizationError, UserError
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,16 @@ def fp8_quantization_config(block: int) -> dict:
     and the published FP8 models write it; the LM head stays unquantized, as transformers keeps it."""
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block],
             "modules_to_not_convert": ["lm_head"]}
+
+
+def check_block_served(cfg: dict, block: int) -> None:
+    """Refuse, before any tensor is made, a block size the loader would refuse for this shape (the
+    checks loading makes, on meta tensors: quant.Fp8BlockCheckpoint.check_layout)."""
+    try:
+        Fp8BlockCheckpoint(cfg["quantization_config"]).check_layout(
+            llama_config.normalize(dict(cfg), "config.json"), tp=1)
+    except QuantizationError as e:
+        raise QuantizationError(QuantizationError.BLOCK_NOT_SERVED.format(block=block, why=e)) from None
 
 
 def is_quantized_linear(name: str) -> bool:
@@ -149,7 +160,6 @@ def make_checkpoint(
     p = PRESETS[preset]
     limit = max_shard_bytes or p.max_shard_bytes
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(p, tie_embeddings, dtype)
     shapes = tensor_shapes(cfg)
     torch_dtype = DTYPES[dtype]
@@ -160,6 +170,7 @@ def make_checkpoint(
         if block <= 0:
             raise ValueError(f"weight_block_size must be positive, got {block}")
         cfg["quantization_config"] = fp8_quantization_config(block)
+        check_block_served(cfg, block)
         quantized = {}
         for name, shape in shapes.items():
             quantized[name] = shape
@@ -184,6 +195,7 @@ def make_checkpoint(
                 made[n] = t
         return made
 
+    out.mkdir(parents=True, exist_ok=True)  # after every refusal: a refused call leaves nothing behind
     # Plan shards first (by byte size, in checkpoint order) so file names carry the shard count; a
     # weight and its scale share a shard.
     shards: list[list[str]] = [[]]
@@ -269,8 +281,10 @@ def stored_dtype(model_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def shard_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The checkpoint's safetensors files, sorted; the index (when present) must agree."""
+def shard_files(model_dir: str | os.PathLike, whole: bool = True) -> list[Path]:
+    """The checkpoint's safetensors files, sorted; the index (when present) must agree. Each is a
+    whole safetensors file (core/shard_header.py), unless ``whole`` is False: the checkpoint's digest
+    hashes the bytes as they are, and the load that follows it checks them."""
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -279,8 +293,13 @@ def shard_files(model_dir: str | os.PathLike) -> list[Path]:
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"Shards listed in {index} are missing: {missing}")
-        return files
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"No *.safetensors files in {model_dir}")
+    else:
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"No *.safetensors files in {model_dir}")
+    for f in files if whole else ():
+        try:
+            shard_header.check_shard(f)
+        except (shard_header.BadShard, OSError) as e:
+            raise CheckpointError(CHECKPOINT_UNUSABLE.format(model=model_dir, why=e)) from None
     return files

@@ -123,7 +123,7 @@ def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tup
     """Digest over (file name, size, content hash) of every shard, plus stats of how it was made.
     ``rehash``: hash every file, remembered or not (--weight-cache-rehash)."""
     model_dir = Path(model_dir)
-    files = checkpoint.shard_files(model_dir) + [model_dir / "config.json"]
+    files = checkpoint.shard_files(model_dir, whole=False) + [model_dir / "config.json"]
     memo_file = _memo_path(model_dir)
     try:
         memo = json.loads(memo_file.read_text())

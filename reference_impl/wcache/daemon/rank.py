@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from wcache.core import autotune
+from wcache.core import autotune, no_dump
 from wcache import logs
 from wcache.daemon import arena_record, seed
 from wcache.daemon.lifeline import die_with_parent
@@ -524,6 +524,7 @@ def start_phases(spec: dict) -> dict:
 
 
 def main() -> int:
+    no_dump.forbid()  # the weights, the socket and the arena's memfd: see core/no_dump.py
     MARKS["imported"] = time.monotonic()
     spec = prewarm.read_spec()  # a prewarmed rank waits here for the launcher's plan
     if spec is None:

@@ -26,6 +26,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from wcache.engine import template_sandbox
 from wcache.errors import CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_SYNTAX, CHAT_TEMPLATE_CONFIG, UserError
 from wcache.model.tokenizer import special_text
 
@@ -50,16 +51,16 @@ class ChatTemplate:
     eos_token: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "_compiled", _compile(self.text, self.source))
+        check_syntax(self.text, self.source)  # compiled and rendered only in a render worker
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """Rendered by a render worker, under a deadline and a memory bound (template_sandbox.py)."""
+        variables = dict(extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=self.bos_token, eos_token=self.eos_token)
         try:
-            return self._compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
-        except jinja2.TemplateError as e:  # raise_exception, an undefined call, a sandbox refusal
-            raise RenderError(str(e) or type(e).__name__) from None
-        except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
-            raise RenderError(f"{type(e).__name__}: {e}") from None
+            return template_sandbox.RUNNER.render(self.text, self.source, variables)
+        except template_sandbox.SandboxError as e:
+            raise RenderError(str(e)) from None
 
 
 def _raise_exception(message):
@@ -75,15 +76,46 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def _compile(text: str, source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+def render_compiled(template: jinja2.Template, variables: dict) -> str:
+    """Render in this process: the render worker's side of ``ChatTemplate.render``."""
+    try:
+        return template.render(**variables)
+    except jinja2.TemplateError as e:  # raise_exception, an undefined call, a sandbox refusal
+        raise RenderError(str(e) or type(e).__name__) from None
+    except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
+        raise RenderError(f"{type(e).__name__}: {e}") from None
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # optimized=False: no constant folding by jinja's optimizer (the render worker compiles anyway)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                                        optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _syntax_error(e: jinja2.TemplateSyntaxError, source: str) -> ChatTemplateError:
+    return ChatTemplateError(CHAT_TEMPLATE_SYNTAX.format(source=source, line=e.lineno, error=e.message))
+
+
+def check_syntax(text: str, source: str) -> None:
+    """Parse only, in this process: a syntax error stops start-up. Parsing is linear in the text;
+    compiling is not safe here, since jinja computes constant expressions as it generates code
+    (`"x" * 10**9`: 45 s and 3.8 GB), so only a render worker compiles (template_sandbox.py)."""
     try:
-        return env.from_string(text)
+        _environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(CHAT_TEMPLATE_SYNTAX.format(source=source, line=e.lineno, error=e.message)) from None
+        raise _syntax_error(e, source) from None
+
+
+def compile_template(text: str, source: str) -> jinja2.Template:
+    """Compile: the render worker's side, under its limits."""
+    try:
+        return _environment().from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise _syntax_error(e, source) from None
 
 
 def from_flag(value: str) -> tuple[str, str]:

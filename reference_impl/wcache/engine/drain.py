@@ -22,6 +22,7 @@ import logging
 import time
 
 from wcache.core.stop_flag import StopFlag
+from wcache.engine import template_sandbox
 from wcache.errors import DRAIN_CUT, DRAIN_STARTED, DRAINED, DRAINING
 
 log = logging.getLogger("wcache.server")
@@ -55,6 +56,7 @@ def drain(server, signal_name: str, delay: float = SHUTDOWN_DELAY_S, timeout: fl
     if left:
         log.warning(DRAIN_CUT.format(timeout=timeout, n=left))
         server.aborting.set()  # step 4: completions stop at their next token and answer the error
+        template_sandbox.RUNNER.cut()  # and chat template renders stop at once
         conns.close_waiting()  # requests still arriving will not be served
         end = time.monotonic() + CUT_GRACE_S
         while conns.in_flight() and time.monotonic() < end:

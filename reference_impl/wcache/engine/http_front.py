@@ -97,6 +97,11 @@ class DeadlinePassed(TimeoutError):
     pass
 
 
+# Every "busy" 503 says when to come back, as the full waiting queue's does (server.py): a slot
+# frees when any answer ends, so one second.
+BUSY_RETRY_AFTER_S = 1
+
+
 class Refused(Exception):
     """The request is read but no budget is left to work on it: answered with this status and message."""
 
@@ -405,7 +410,8 @@ class FrontDoorServer(ThreadingHTTPServer):
                 body = json.dumps(error_body(503, BUSY_MESSAGE.format(
                     max=self.limits.max_waiting_connections))).encode()
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                                b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                                % (BUSY_RETRY_AFTER_S, len(body), body))
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -492,7 +498,8 @@ class FrontDoorHandler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except Refused as e:
             self.close_connection = True
-            self.send_json(e.status, error_body(e.status, e.message))
+            self.send_json(e.status, error_body(e.status, e.message),
+                           headers={"Retry-After": str(BUSY_RETRY_AFTER_S)} if e.status == 503 else None)
         except TimeoutError:  # the deadline, or one read that waited too long
             self.close_connection = True
             try:

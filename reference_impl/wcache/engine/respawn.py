@@ -50,7 +50,7 @@ import sys
 import time
 
 from wcache import logs
-from wcache.core import metrics  # the standard library only (prometheus_client is the workers')
+from wcache.core import metrics, no_dump  # the standard library only (prometheus_client is the workers')
 from wcache.engine import handoff
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
 from wcache.engine.reception import Reception
@@ -424,7 +424,7 @@ def front_door(args) -> dict:
     import dataclasses
 
     from wcache.engine import openai_api as api
-    from wcache.engine import server
+    from wcache.engine import http_front, server
     from wcache.errors import BUSY_MESSAGE, LOADING
 
     working = getattr(args, "max_concurrent_connections", server.DEFAULT_LIMITS.max_connections)
@@ -432,13 +432,14 @@ def front_door(args) -> dict:
     # The supervisor holds every connection, working or waiting: the front door's two budgets together.
     limits["max_connections"] = working + limits.get("max_waiting_connections", 0)
 
-    def render(payload: dict) -> str:
+    def render(payload: dict, retry: bytes = b"") -> str:
         body = json.dumps(payload).encode()
-        return handoff.encode(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        return handoff.encode(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n%s"
+                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (retry, len(body), body))
 
     return {"limits": limits, "responses": {
-        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=working))),
+        "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=working)),
+                       b"Retry-After: %d\r\n" % http_front.BUSY_RETRY_AFTER_S),
         "loading": render(api.error_body(503, LOADING)), "health_loading": render({"status": "loading"}),
         "error_type": "InternalServerError"}}  # vLLM's type for a 500
 
@@ -457,6 +458,7 @@ def exec_supervisor(args, sock: socket.socket, door: dict) -> None:
 
 def main() -> int:
     """The supervisor after the exec: the standard library, wcache.errors and wcache.logs only."""
+    no_dump.forbid()  # the exec set the flag back; the listening socket and the API key: see core/no_dump.py
     spec = json.loads(os.environ.pop(SUPERVISOR_ENV))
     logs.setup(spec["log_level"])
     import argparse  # the Namespace the workers' spec is built from, as before the exec

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from wcache import logs
-from wcache.core import autotune
+from wcache.core import autotune, no_dump
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.speculative import CACHED_DRAFT_METHODS
@@ -510,6 +510,7 @@ def withdraw_offers_on_sigterm() -> None:
 
 def main() -> int:
     """A rank process started by the supervisor: start, then follow rank 0's requests."""
+    no_dump.forbid()  # the mapped weights and the lease socket: see core/no_dump.py
     spec = json.loads(os.environ[SPEC_ENV])
     logs.setup(spec.get("log_level", "INFO"))
     withdraw_offers_on_sigterm()

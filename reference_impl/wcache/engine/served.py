@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from wcache.engine import auth, chat_template
+from wcache.engine import auth, chat_template, template_sandbox
 from wcache.engine.auth import ApiKeys
 from wcache.engine.chat_template import ChatTemplate
 from wcache.errors import SERVED_NAME_EMPTY, UserError
@@ -53,6 +53,9 @@ class ServedModel:
             args.model, getattr(args, "tokenizer", None))
         stop_ids = generation_config.stop_ids(args.model, tokenizer.eos_token_id if tokenizer else None,
                                               getattr(args, "generation_config", "auto"))
+        # Before the template is compiled: that runs in a render worker too, under the same deadline.
+        template_sandbox.RUNNER.timeout_s = getattr(args, "chat_template_render_timeout",
+                                                    template_sandbox.DEFAULT_TIMEOUT_S)
         template = None if tokenizer is None else chat_template.load(tokenizer.source, getattr(args, "chat_template", None))
         keys = auth.from_flag_or_env(getattr(args, "api_key", None))
         found = [f"Tokenizer: from {tokenizer.source}" if tokenizer else

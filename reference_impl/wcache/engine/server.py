@@ -34,7 +34,7 @@ from wcache.engine import chat, fanout, http_front
 from wcache.engine import openai_api as api
 from wcache.engine.served import ServedModel
 from wcache.engine.access_log import CLIENT_CLOSED
-from wcache.engine.client_gone import peer_closed
+from wcache.engine.client_gone import PeerWatch
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
 from wcache.engine.scheduler import QueueFull
 from wcache.engine.version_info import version_body
@@ -270,13 +270,15 @@ class _Handler(FrontDoorHandler):
                 return
             gone = cut = False
 
+            peer = PeerWatch(self.connection, self.request_version == "HTTP/1.1")
+
             def on_text(_piece: str) -> bool:
                 # Asked at each new piece of text (of any prompt of the request): the client left
                 # (nobody to answer), or the drain's deadline passed. Either stops decoding at this token.
                 nonlocal gone, cut
                 record.token()
                 timing.first_token()
-                gone = gone or peer_closed(self.connection)
+                gone = gone or peer.gone()
                 cut = cut or aborting.is_set()
                 return gone or cut
 

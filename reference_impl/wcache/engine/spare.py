@@ -33,6 +33,7 @@ T0 = time.monotonic()
 import torch  # noqa: E402  (the point of a spare: this import happens before it is needed)
 
 from wcache import logs  # noqa: E402
+from wcache.core import no_dump  # noqa: E402
 from wcache.engine.engine import run_serve  # noqa: E402
 from wcache.engine.loading import registry  # noqa: E402,F401  (every loader: disk, ipc_cache and their modules)
 from wcache.engine.loading.config import parse_loader_config  # noqa: E402
@@ -187,6 +188,7 @@ def prepare(args, at_once: bool):
 
 
 def main() -> int:
+    no_dump.forbid()  # the listening socket's hand-offs, then the weights: see core/no_dump.py
     spec = json.loads(os.environ.pop(SPARE_ENV))
     logs.setup(spec["log_level"])
     die_with_parent(spec["parent_pid"])
