@@ -79,7 +79,7 @@ checkpoint() {  # DIR PRESET: written once per machine (a warm machine keeps /tm
 rc=0
 for s in "$@"; do
   case $s in
-    tier)   stage tier 560 gpu-tier.log bash tools/gpu_tier.sh || rc=1 ;;
+    tier)   stage tier "${TIER_LIMIT:-560}" gpu-tier.log bash tools/gpu_tier.sh || rc=1 ;;
     records)
       checkpoint /tmp/llama-8b llama-8b || rc=1
       bench /tmp/llama-8b llama-8b vmm_fd 260 || rc=1
