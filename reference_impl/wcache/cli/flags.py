@@ -263,6 +263,15 @@ def add_preload_args(p) -> None:
     s.add_argument("--weight-cache-seed", default=None, metavar="HOST:PORT[,...]",
                    help="pull the autotune cache from a running daemon before tuning: one address per "
                         "local rank, in local rank order")
+    s.add_argument("--weight-cache-seed-weights", default="auto", choices=["auto", "always", "never"],
+                   help="with --weight-cache-seed, also take the weights from that daemon: auto when the model "
+                        "directory has no shards, always (even with shards: a network faster than the disk), never "
+                        "(see docs/seeding-replicas.md)")
+    s.add_argument("--weight-cache-seed-round-window", type=float, default=None, metavar="SECONDS",
+                   help="a seed daemon gathers the replicas that ask for weights within this many seconds of the "
+                        "first into one fan-out round (default: 2)")
+    s.add_argument("--weight-cache-seed-stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a replica gives up on a seed daemon that sends nothing for this long (default: 30)")
 
 
 def _quantization_choices() -> list[str]:
