@@ -298,6 +298,12 @@ def add_bench_args(p) -> None:
     p.add_argument("--health-under-load", action="store_true",
                    help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
                         "connections are held open and 16 streams run (bench/health.py)")
+    p.add_argument("--seed", action="store_true",
+                   help="instead: weight seeding from a running daemon against a raw TCP copy of the same bytes, "
+                        "one replica against --seed-replicas at once, and against a disk start (bench/seeding.py)")
+    p.add_argument("--seed-replicas", type=int, default=4, help="with --seed: replicas of the fan-out round")
+    p.add_argument("--seed-window", type=float, default=3.0,
+                   help="with --seed: the fan-out source's --weight-cache-seed-round-window")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:
