@@ -437,6 +437,8 @@ SEED_WEIGHTS_FATAL = ("{reason}; this replica has no checkpoint shards to fall b
                       "start it once the seed daemon serves)")
 SEEDED_WEIGHTS = ("Rank {rank} weights: seeded from {address} ({tensors} tensors, {mib:.1f} MiB in {seconds:.2f} s, "
                   "{how}, {sent} bytes sent by this daemon), digests checked")
+# header: dialling, the request, the source's answer and its checks; then allocate, receive, verify, pack
+SEEDING_PHASES = "Rank {rank} seeding phases (s): {phases}"
 WEIGHTS_FROM_DISK = "Rank {rank} weights: read from the checkpoint's shards ({why})"
 SEED_ROUND_DONE = ("Seeding round {round}: {replicas} replica(s) of rank {rank} served by {how} in {seconds:.2f} s; "
                    "{sent} bytes sent by this daemon for {size} bytes of arena")

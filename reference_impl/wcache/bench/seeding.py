@@ -6,8 +6,9 @@ model directories hold every file of the checkpoint but the shards, each with it
 directory and cache root, as on other hosts. Per measurement:
 
 * ``raw_tcp_gb_per_s``: the arena's byte count sent by this process over one loopback TCP connection
-  to a child process that receives it into a buffer of that size (Python sendall and recv_into, no
-  check): the floor a seed's transfer cannot beat here;
+  to a child process that receives it into a buffer of that size, allocated once connected as a
+  replica's arena is (Python sendall and recv_into, no check): what a seed's transfer cannot beat
+  here; ``raw_tcp_touched_gb_per_s``: the same into a buffer allocated and touched beforehand;
 * ``seed_gb_per_s``: the arena's bytes over the seconds the replica logs from dialling the source to
   the digests checked (header, stream, verification), with a source whose round window is 0;
 * ``single_s``: one replica daemon from its spawn to READY (interpreter, imports, seeding, autotune
@@ -42,8 +43,11 @@ ROUND = re.compile(r"Seeding round \d+: (\d+) replica\(s\) of rank 0 served by (
                    r"by this daemon for (\d+) bytes of arena")
 RECEIVER = """
 import socket, sys, time
-n = int(sys.argv[2]); buf = bytearray(n); view = memoryview(buf)
+n, fresh = int(sys.argv[2]), sys.argv[3] == "fresh"
+buf = None if fresh else bytearray(n)
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+buf = buf or bytearray(n)
+view = memoryview(buf)
 got = 0
 while got < n:
     k = s.recv_into(view[got:], min(n - got, 4 << 20))
@@ -53,13 +57,16 @@ print(time.monotonic())
 """
 
 
-def raw_tcp_s(nbytes: int) -> float:
-    """Seconds to move ``nbytes`` from this process to a child over one loopback TCP connection."""
+def raw_tcp_s(nbytes: int, fresh: bool = True) -> float:
+    """Seconds to move ``nbytes`` from this process to a child over one loopback TCP connection;
+    ``fresh``: into memory the child allocates once connected (as a replica's arena is), else into
+    a buffer it allocated and touched before."""
     import socket
 
     data = bytearray(os.urandom(1 << 20)) * (-(-nbytes // (1 << 20)))
     with socket.create_server(("127.0.0.1", 0)) as server:
-        child = subprocess.Popen([sys.executable, "-c", RECEIVER, str(server.getsockname()[1]), str(nbytes)],
+        child = subprocess.Popen([sys.executable, "-c", RECEIVER, str(server.getsockname()[1]), str(nbytes),
+                                  "fresh" if fresh else "touched"],
                                  stdout=subprocess.PIPE, text=True)
         conn, _ = server.accept()
         t0 = time.monotonic()
@@ -153,6 +160,7 @@ def run_bench_seed(args) -> int:
         src.stop()
         model_bytes = rounds[0]["arena"]
         raw = [raw_tcp_s(model_bytes) for _ in range(repeat)]
+        touched = [raw_tcp_s(model_bytes, fresh=False) for _ in range(repeat)]
         src, address = bench.source(window)
         fan_s, fan_rep = bench.replicas(address, fan)
         fan_round = _round(src, fan)
@@ -164,12 +172,14 @@ def run_bench_seed(args) -> int:
     record = {**environment(cfg.device), "model": Path(args.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
               "model_bytes": model_bytes,
               "seed_gb_per_s": round(model_bytes / seed_s / 1e9, 3), "raw_tcp_gb_per_s": round(model_bytes / raw_s / 1e9, 3),
+              "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
               "seed_s": round(seed_s, 4), "raw_tcp_s": round(raw_s, 4), "single_source_round_s": rounds[0]["seconds"],
               "single_s": round(single_s, 3), "disk_s": round(statistics.median(disk), 3),
               "window_s": window, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
               f"fanout_{fan}_how": fan_round["how"], f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
               f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
-              "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw], "single_s": [round(s, 3) for s in singles],
+              "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],
+                          "raw_tcp_touched_s": [round(r, 4) for r in touched], "single_s": [round(s, 3) for s in singles],
                           "disk_s": [round(s, 3) for s in disk]}}
     record["seed_vs_raw_tcp"] = round(record["seed_gb_per_s"] / record["raw_tcp_gb_per_s"], 3)
     record[f"fanout_{fan}_vs_single"] = round(fan_s / single_s, 3)

@@ -15,6 +15,7 @@ never served: the rank loads its own shards if it has them, or exits 2 (weight_p
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -32,6 +33,7 @@ from wcache.errors import (
     SEED_WEIGHTS_FATAL,
     SEED_WEIGHTS_REASONS,
     SEEDED_WEIGHTS,
+    SEEDING_PHASES,
     WEIGHTS_FROM_DISK,
     UserError,
 )
@@ -66,6 +68,7 @@ class Seeded:
     how: str
     seconds: float
     sent: int
+    phases: dict
 
 
 def wanted(spec: dict, model: str) -> bool:
@@ -141,7 +144,7 @@ def _check(header: dict, mine: dict, model: str, device: torch.device, address: 
         raise bad(f"the manifest needs {needed} bytes and holds {weights_bytes}; the source offers {size} "
                   f"and says {header.get('weights_bytes')!r}")
     d = header.get("digests")
-    if not isinstance(d, dict) or d.get("algorithm") != weight_digest.algorithm_for(device.type) \
+    if not isinstance(d, dict) or d.get("algorithm") not in weight_digest.accepted(device.type) \
             or not isinstance(d.get("chunk_bytes"), int) or not 1 << 20 <= d["chunk_bytes"] <= 1 << 30 \
             or not isinstance(d.get("chunks"), list) or len(d["chunks"]) != -(-size // d["chunk_bytes"]):
         raise bad("digests missing or not one per chunk")
@@ -155,8 +158,10 @@ def _numel(shape) -> int:
     return n
 
 
-def _receive_stream(sock: socket.socket, buffer: torch.Tensor, address: str, stall_s: float) -> None:
-    """Exactly the arena's bytes, then end-of-stream: a stall, an early close or a byte more is an error."""
+def _receive_stream(sock: socket.socket, buffer: torch.Tensor, address: str, stall_s: float,
+                    checker: weight_digest.Checker) -> None:
+    """Exactly the arena's bytes, then end-of-stream: a stall, an early close or a byte more is an error.
+    Each chunk is handed to ``checker`` as soon as it is complete."""
     size = buffer.numel()
     view = memoryview(buffer.numpy())
     got = 0
@@ -166,6 +171,7 @@ def _receive_stream(sock: socket.socket, buffer: torch.Tensor, address: str, sta
             if n == 0:
                 raise SeedWeightsError("closed", address=address, got=got, size=size)
             got += n
+            checker.received(got)
         if sock.recv(1):
             raise SeedWeightsError("oversent", address=address, size=size)
     except TimeoutError:
@@ -202,21 +208,32 @@ def pull(address: str, token: str, cfg, kind: str, shards_present: bool, stall_s
                                  small=seeded_checkpoint.small_identity(cfg.model)))
         header = _answer(sock, address, stall_s)
         layout = _check(header, key, cfg.model, device, address)
+        marks = [("header", time.perf_counter())]
         target = make_target(kind, header["size"], device)
-        if header.get("transfer") == "round":
-            _receive_round(sock, header, target.buffer, address)
-            how = f"fan-out round of {header['round']['world']} ranks"
-        else:
-            _receive_stream(sock, target.buffer, address, stall_s)
-            how = "TCP stream"
-        bad = weight_digest.bad_chunks(target.buffer, header["digests"], device if device.type == "cuda" else None)
+        marks.append(("allocate", time.perf_counter()))
+        checker = weight_digest.Checker(target.buffer, header["digests"], device if device.type == "cuda" else None)
+        try:
+            if header.get("transfer") == "round":
+                _receive_round(sock, header, target.buffer, address)
+                how = f"fan-out round of {header['round']['world']} ranks"
+            else:
+                _receive_stream(sock, target.buffer, address, stall_s, checker)
+                how = "TCP stream"
+            marks.append(("receive", time.perf_counter()))
+            bad = checker.bad()
+            marks.append(("verify", time.perf_counter()))
+        finally:
+            checker.close()
         if bad:
             raise SeedWeightsError("digest", address=address, chunks=bad[:8], total=len(header["digests"]["chunks"]))
         arena = target.finish(layout, header.get("aliases") or {}, header.get("attrs") or {}, header["weights_bytes"])
         target = None
+        marks.append(("pack", time.perf_counter()))
         _quietly(send_frame, sock, reply(True, verified=True))
+        phases = {name: round(t - prev, 4) for (name, t), prev in zip(marks, [t0] + [t for _, t in marks])}
         return Seeded(arena, header["key"], header["shards"], header.get("aliases") or {}, header.get("attrs") or {},
-                      header["weights_bytes"], how, time.perf_counter() - t0, seed_round.bytes_written() - sent0)
+                      header["weights_bytes"], how, time.perf_counter() - t0, seed_round.bytes_written() - sent0,
+                      phases)
     except SeedWeightsError as e:
         _quietly(send_frame, sock, reply(False, verified=False, reason=str(e)[:300]))
         raise
@@ -261,3 +278,4 @@ def load_weights(daemon) -> None:
     log.info(SEEDED_WEIGHTS.format(rank=daemon.rank, address=address, tensors=len(daemon.arena.layout.entries),
                                    mib=seeded.weights_bytes / 2**20, seconds=seeded.seconds, how=seeded.how,
                                    sent=seeded.sent))
+    log.info(SEEDING_PHASES.format(rank=daemon.rank, phases=json.dumps(seeded.phases)))
