@@ -43,9 +43,9 @@ class MemfdTarget(ReceiveTarget):
         self.fd = os.memfd_create("wcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
-            # Populated at once: one pass in the kernel instead of a page fault per 4 KiB received.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.mapping = mmap.mmap(self.fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # Not populated: each page is allocated as the socket's copy first writes it, one pass
+            # over the memory where populating first would zero it in a pass of its own.
+            self.mapping = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
