@@ -7,7 +7,6 @@ must exit 2 without ever binding its socket."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import threading
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from procs import READY
+from wcache.bench.seeding import small_files
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key, checkpoint_digest
@@ -42,10 +42,7 @@ def world(tmp_path_factory, tiny_model):
     served = {"manifest": manifest(arena.layout), "aliases": weights.aliases, "attrs": weights.attrs,
               "weights_bytes": weights.nbytes}
     source = WeightSource(0, cache_key(cfg, digest), str(tiny_model), shards, served, lambda: arena, 0.0)
-    bare = tmp_path_factory.mktemp("bare")
-    for f in Path(tiny_model).iterdir():
-        if not f.name.endswith(".safetensors"):
-            shutil.copy(f, bare / f.name)
+    bare = small_files(Path(tiny_model), tmp_path_factory.mktemp("d") / "bare")
     yield {"source": source, "arena": arena, "header": source.header(arena),
            "bytes": bytes(arena.mapping[:arena.size]), "bare": bare, "cfg": EngineConfig.build(str(bare), device="cpu")}
     mp.undo()

@@ -9,12 +9,11 @@ On a machine without CUDA every test here is skipped, with the reason printed by
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import torch
 from procs import READY, Processes, free_port, http
-
+from wcache.bench.seeding import small_files
 from wcache.core.checkpoint import make_checkpoint
 
 pytestmark = [
@@ -43,11 +42,7 @@ def test_a_replica_on_the_same_gpu_seeds_its_cuda_arena_and_answers_the_same_tok
         if not cuda_vmm.available():
             pytest.skip(f"vmm_fd needs the CUDA driver's VMM calls: {cuda_vmm._WHY_NOT}")
     model = make_checkpoint(tmp_path / "small", "small")
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in model.iterdir():
-        if not f.name.endswith(".safetensors"):
-            shutil.copy(f, bare / f.name)
+    bare = small_files(model, tmp_path / "bare")
     procs = Processes(tmp_path, wcache_env, device="cuda")
     try:
         base = free_port()

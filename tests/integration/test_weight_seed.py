@@ -7,11 +7,15 @@ arena about once."""
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 from procs import READY, free_port, http
-from wcache.errors import SEED_WEIGHTS_FALLBACK, SEED_WEIGHTS_FATAL, SEED_WEIGHTS_REASONS
+from wcache.bench.seeding import small_files  # every file but the shards
+from wcache.errors import (
+    SEED_WEIGHTS_FALLBACK,
+    SEED_WEIGHTS_FATAL,
+    SEED_WEIGHTS_REASONS,
+)
 
 TOKEN = "weights-token-for-tests-0123456789"
 SEEDED = re.compile(r"Rank 0 weights: seeded from (\S+) \((\d+) tensors, .*, (TCP stream|fan-out round of (\d+) ranks), "
@@ -19,15 +23,6 @@ SEEDED = re.compile(r"Rank 0 weights: seeded from (\S+) \((\d+) tensors, .*, (TC
 ROUND = re.compile(r"Seeding round (\d+): (\d+) replica\(s\) of rank 0 served by (.*?) in [\d.]+ s; (\d+) bytes sent by "
                    r"this daemon for (\d+) bytes of arena")
 PROMPTS = ["Hello", "The weight cache", "1 2 3 4"]
-
-
-def small_files(model: Path, dest: Path) -> Path:
-    """A model directory as a replica without a checkpoint volume has it: every file but the shards."""
-    dest.mkdir()
-    for f in model.iterdir():
-        if not f.name.endswith(".safetensors"):
-            shutil.copy(f, dest / f.name)
-    return dest
 
 
 def source(procs, model, *flags: str):
@@ -79,7 +74,7 @@ def test_a_replica_without_shards_serves_the_sources_tokens(procs, tiny_model, t
 
 
 def test_a_replica_with_shards_seeds_when_asked_and_falls_back_to_them(procs, tiny_model, tmp_path):
-    src, address = source(procs, tiny_model, "--weight-cache-seed-round-window", "0")
+    _, address = source(procs, tiny_model, "--weight-cache-seed-round-window", "0")
     asked = replica(procs, tiny_model, tmp_path, "asked", address, "--weight-cache-seed-weights", "always")
     wrong = replica(procs, tiny_model, tmp_path, "wrong", address, "--weight-cache-seed-weights", "always",
                     token="a-wrong-token-of-enough-length")
@@ -94,7 +89,7 @@ def test_a_replica_with_shards_seeds_when_asked_and_falls_back_to_them(procs, ti
 
 
 def test_a_replica_without_shards_exits_2_when_the_seed_fails(procs, tiny_model, tmp_path):
-    src, address = source(procs, tiny_model, "--weight-cache-seed-round-window", "0")
+    _, address = source(procs, tiny_model, "--weight-cache-seed-round-window", "0")
     bare = small_files(tiny_model, tmp_path / "bare")
     other = replica(procs, bare, tmp_path, "other", address, "--dtype", "float32")
     assert other.exit_code(timeout=120) == 2
@@ -111,7 +106,7 @@ def test_three_replicas_at_once_form_one_round_and_the_source_sends_the_arena_on
         p.wait_for_log(READY, timeout=180)
         m = SEEDED.search(p.log())
         assert m and m.group(4) == "4", p.log()
-    (n, replicas, how, sent, size), = ROUND.findall(src.log())
+    (_, replicas, how, sent, size), = ROUND.findall(src.log())
     assert replicas == "3" and how.startswith("a gloo scatter + ring all-gather")
     # gloo's broadcast (a binomial tree) would send it twice for 4 ranks; a relay per replica 3 times.
     assert int(size) <= int(sent) <= 1.1 * int(size), (sent, size)

@@ -41,7 +41,7 @@ def bytes_written() -> int:
     return 0
 
 
-def _options(host: str) -> "dist.ProcessGroupGloo._Options":
+def _options(host: str) -> dist.ProcessGroupGloo._Options:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = ROUND_TIMEOUT
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -52,12 +52,12 @@ def _group(store, prefix: str, rank: int, size: int, host: str):
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, _options(host))
 
 
-def open_store(host: str) -> "dist.TCPStore":
+def open_store(host: str) -> dist.TCPStore:
     """The round's rendezvous, on an ephemeral port of the source's seeding address."""
     return dist.TCPStore(host, 0, None, True, ROUND_TIMEOUT, wait_for_workers=False)
 
 
-def _scatter_opts() -> "dist.ScatterOptions":
+def _scatter_opts() -> dist.ScatterOptions:
     o = dist.ScatterOptions()
     o.rootRank = 0
     return o

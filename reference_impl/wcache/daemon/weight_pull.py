@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from wcache.core import seeded_checkpoint
-from wcache.core.fingerprint import cache_key, cache_root, checkpoint_digest, combine, mismatched_fields
+from wcache.core.fingerprint import (
+    cache_key,
+    cache_root,
+    checkpoint_digest,
+    combine,
+    mismatched_fields,
+)
 from wcache.daemon import seed_round, weight_digest
 from wcache.daemon.seed import CONNECT_TIMEOUT_S, parse_address
 from wcache.daemon.seed_target import make_target
@@ -112,7 +118,7 @@ def _answer(sock: socket.socket, address: str, stall_s: float) -> dict:
 
 def _check(header: dict, mine: dict, model: str, device: torch.device, address: str) -> Layout:
     """The source's answer, checked before a byte is received: its key, its layout, its digests."""
-    bad = lambda detail: SeedWeightsError("protocol", address=address, detail=detail)  # noqa: E731
+    bad = lambda detail: SeedWeightsError("protocol", address=address, detail=detail)
     theirs, shards = header.get("key"), header.get("shards")
     if not isinstance(theirs, dict) or not isinstance(shards, dict):
         raise bad("no key or shard list")

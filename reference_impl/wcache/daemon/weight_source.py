@@ -142,9 +142,11 @@ class WeightSource:
                         t.done.set()
                     with self.cond:
                         self.sending = False
-                        if not self.pending:
+                        idle = not self.pending
+                        if idle:
                             self.leading = False
-                            return
+                if idle:
+                    return
         except BaseException:
             with self.cond:
                 for t in self.pending:
