@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from procs import READY
 from wcache.bench.seeding import small_files
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key, checkpoint_digest
+from wcache.core.postprocess import ProcessedWeights
 from wcache.daemon import weight_pull
 from wcache.daemon.seed import SeedServer
 from wcache.daemon.weight_source import WeightSource
@@ -159,3 +161,43 @@ def test_a_replica_daemon_without_shards_exits_2_on_a_lying_source_and_never_ser
     log = p.log()
     assert SEED_WEIGHTS_FATAL.split("{reason}")[1] in log and "do not match the seed's digests" in log
     assert READY not in log and "serving on" not in log
+
+
+def test_a_replica_that_asks_mid_round_is_queued_and_served_by_the_next_round(world, caplog):
+    """Round 1 streams 32 MiB to a client that reads nothing yet (more than the socket buffers hold),
+    so it is in flight when a real replica asks: that one is told it is queued, and gets the weights
+    from round 2 once round 1 is done."""
+    big = MemfdArena.pack(ProcessedWeights({"w": torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)}))
+    served = {"manifest": manifest(big.layout), "aliases": {}, "attrs": {}, "weights_bytes": 32 << 20}
+    source = WeightSource(0, world["source"].key, str(world["bare"]), world["source"].shards, served,
+                          lambda: big, 0.0)
+    server = SeedServer("127.0.0.1", 0, TOKEN, lambda: None, 0, weights=source).start()
+    address = ("127.0.0.1", server.sock.getsockname()[1])
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        slow.connect(address)
+        key = {**world["source"].key, "checkpoint": None}
+        send_frame(slow, {"v": 1, "op": "get_weights", "token": TOKEN, "key": key, "small": source.small})
+        header, _ = recv_frame(slow, max_bytes=64 << 20, timeout=30)
+        time.sleep(0.5)
+        assert header["transfer"] == "stream" and source.sending
+        result = {}
+        late = threading.Thread(target=lambda: result.update(seeded=weight_pull.pull(
+            f"127.0.0.1:{address[1]}", TOKEN, world["cfg"], "memfd", False)))
+        with caplog.at_level("INFO", logger="wcache.seed"):
+            late.start()
+            time.sleep(1.0)
+            assert "seeded" not in result  # still waiting for its round
+            got = 0
+            while chunk := slow.recv(1 << 20):  # now round 1 drains, and round 2 starts
+                got += len(chunk)
+            late.join(60)
+        assert got == big.size and source.rounds == 2
+        assert "is serving another round; queued for the next" in caplog.text
+        assert bytes(result["seeded"].arena.mapping[:big.size]) == bytes(big.mapping[:big.size])
+        result["seeded"].arena.close()
+    finally:
+        slow.close()
+        server.close()
+        big.close()
