@@ -37,10 +37,11 @@ def world(tmp_path_factory, tiny_model):
     mp = pytest.MonkeyPatch()
     mp.setenv("WCACHE_CACHE_ROOT", str(root))
     cfg = EngineConfig.build(str(tiny_model), device="cpu")
-    digest, stats = checkpoint_digest(tiny_model)
+    files: dict = {}
+    digest, _ = checkpoint_digest(tiny_model, entries=files)
     weights = load_processed(cfg, show_progress=False)
     arena = MemfdArena.pack(weights)
-    shards = {n: e for n, e in stats["entries"].items() if n != "config.json"}
+    shards = {n: e for n, e in files.items() if n != "config.json"}
     served = {"manifest": manifest(arena.layout), "aliases": weights.aliases, "attrs": weights.attrs,
               "weights_bytes": weights.nbytes}
     source = WeightSource(0, cache_key(cfg, digest), str(tiny_model), shards, served, lambda: arena, 0.0)

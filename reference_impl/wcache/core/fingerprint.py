@@ -119,13 +119,18 @@ def _memo_path(model_dir: Path) -> Path:
     return cache_root() / "fingerprints" / f"{tag}.json"
 
 
-def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tuple[str, dict]:
+def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False,
+                      entries: dict | None = None) -> tuple[str, dict]:
     """Digest over (file name, size, content hash) of every shard, plus stats of how it was made.
-    ``rehash``: hash every file, remembered or not (--weight-cache-rehash)."""
+    ``rehash``: hash every file, remembered or not (--weight-cache-rehash). ``entries``: filled with
+    each file's [size, sha256] (what a seed daemon sends its replicas)."""
     model_dir = Path(model_dir)
     seeded = seeded_checkpoint.digest(model_dir, cache_root(), combine)
     if seeded is not None:  # a replica whose weights came from a seed daemon: no shard to hash
-        return seeded
+        digest, stats, files = seeded
+        if entries is not None:
+            entries.update(files)
+        return digest, stats
     files = checkpoint.shard_files(model_dir) + [model_dir / "config.json"]
     memo_file = _memo_path(model_dir)
     try:
@@ -147,10 +152,12 @@ def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tup
             settled.add(n)
     if fresh:
         _atomic_write_json(memo_file, {n: memo[n] for n in stats if n in settled})
-    entries = {n: [stats[n].st_size, memo[n]["sha256"]] for n in stats}
+    files = {n: [stats[n].st_size, memo[n]["sha256"]] for n in stats}
+    if entries is not None:
+        entries.update(files)
     hashed_bytes = sum(stats[n].st_size for n in fresh)
-    return combine(entries), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes,
-                              "files_unsettled": len(stats) - len(settled), "entries": entries}
+    return combine(files), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes,
+                            "files_unsettled": len(stats) - len(settled)}
 
 
 def combine(entries: dict[str, list]) -> str:

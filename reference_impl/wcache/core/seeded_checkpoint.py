@@ -70,8 +70,8 @@ def write(model_dir: Path, root: Path, shards: dict[str, list], source: str) -> 
     os.replace(tmp, path)
 
 
-def digest(model_dir: Path, root: Path, combine) -> tuple[str, dict] | None:
-    """(digest, stats) of a shard-less directory a replica seeded, or None: where a shard is present,
+def digest(model_dir: Path, root: Path, combine) -> tuple[str, dict, dict] | None:
+    """(digest, stats, each file's [size, sha256]) of a shard-less directory a replica seeded, or None: where a shard is present,
     no list was remembered, or the list names other shards than the index does."""
     names = listed_shards(model_dir)
     if not names or any((model_dir / n).is_file() for n in names):
@@ -85,4 +85,4 @@ def digest(model_dir: Path, root: Path, combine) -> tuple[str, dict] | None:
         return None
     entries = {**shards, "config.json": config_entry(model_dir)}
     return combine(entries), {"files": len(entries), "files_hashed": 1, "bytes_hashed": entries["config.json"][0],
-                              "files_unsettled": 0, "entries": entries, "seeded_from": record.get("source")}
+                              "files_unsettled": 0}, entries

@@ -145,9 +145,9 @@ class RankDaemon:
     def load(self) -> None:
         refuse_for_cache(self.cfg.quant)
         t0 = time.perf_counter()
-        digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False))
+        digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False), entries=(files := {}))
         self.key = cache_key(self.cfg, digest)
-        self.shards = {n: e for n, e in stats["entries"].items() if n != "config.json"}  # for seeding replicas
+        self.shards = {n: e for n, e in files.items() if n != "config.json"}  # what seeded replicas are sent
         MARKS["key"] = time.monotonic()
         from wcache.core.distributed import (
             join_daemon_world,  # one torch.distributed world over all ranks and nodes
