@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from wcache.core import seeded_checkpoint
+from wcache.core.distributed import join_daemon_world
 from wcache.core.fingerprint import (
     cache_key,
     cache_root,
@@ -280,6 +281,9 @@ def load_weights(daemon) -> None:
         return
     if not present:  # so that this rank's engines compute the same key without shards
         seeded_checkpoint.write(cfg.model, cache_root(), seeded.shards, address)
+    # The daemons' world of a multi-node group (a no-op alone): the other ranks wait for this one
+    # there, and every rank must hold the same checkpoint, seeded or read.
+    join_daemon_world(spec.get("world"), cfg.ranks, cfg.device, seeded.key["checkpoint"])
     daemon.take_seeded(seeded)
     log.info(SEEDED_WEIGHTS.format(rank=daemon.rank, address=address, tensors=len(daemon.arena.layout.entries),
                                    mib=seeded.weights_bytes / 2**20, seconds=seeded.seconds, how=seeded.how,
