@@ -38,6 +38,7 @@ import headline
 import matrix_tables
 import plot_bench
 import respawn_tables
+import seed_tables
 
 REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- end generated -->)",
                     re.DOTALL)
@@ -331,6 +332,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-respawn": respawn_tables.respawn_table,
     "respawn-memory": respawn_tables.respawn_memory,
     "respawn-phases": respawn_tables.respawn_phases,
+    "bench-seed": seed_tables.seed_table,
     "headline": headline.headline,
     "headline-readme": headline.headline_readme,
 }

@@ -197,6 +197,7 @@ class SeedConfigError(UserError):
                           "the seed daemon answers only requests that carry its token")
     SHORT_TOKEN = "--weight-cache-seed-token must be at least {min} characters"
     PORT_IN_USE = "Cannot listen for seeding on {address}: {error}"
+    BAD_SECONDS = "{flag} must be a number of seconds from 0 to 3600, got {value}"
 
 
 class BenchError(UserError):
@@ -462,3 +463,33 @@ class DeviceOutOfMemoryError(UserError):
 # A checkpoint file that cannot be read as it is (core/shard_header.py, core/checkpoint.py):
 # `wcache serve`, `wcache preload` and wcache-verify-checkpoint stop with it.
 CHECKPOINT_UNUSABLE = "Checkpoint {model} is not usable: {why}"
+
+
+# Why seeding a replica's weights from a seed daemon failed (daemon/weight_pull.py). Nothing of a failed
+# seed is served: the replica loads its own shards (SEED_WEIGHTS_FALLBACK) or, without shards, exits 2
+# (SEED_WEIGHTS_FATAL).
+SEED_WEIGHTS_REASONS = {
+    "unreachable": "Cannot reach the weight cache seed at {address}: {error}",
+    "token": "The weight cache seed at {address} rejected the token (--weight-cache-seed-token must match the seed's)",
+    "mismatch": "The weight cache seed at {address} holds weights of another cache key (fields: {fields})",
+    "released": "The weight cache seed at {address} has released its weights (an engine copied them and asked)",
+    "rate_limited": "The weight cache seed at {address} refuses this host for now: too many bad tokens",
+    "busy": "The weight cache seed at {address} is busy: {detail}",
+    "protocol": "Bad reply from the weight cache seed at {address}: {detail}",
+    "oversize": "The weight cache seed at {address} offers {size} bytes for a layout that needs {needed}",
+    "stalled": "The weight cache seed at {address} sent nothing for {seconds:g} s ({got} of {size} bytes received)",
+    "closed": "The weight cache seed at {address} closed the connection after {got} of {size} bytes",
+    "oversent": "The weight cache seed at {address} sent more than the {size} bytes its layout needs",
+    "digest": "Weights seeded from {address} do not match the seed's digests (chunks {chunks} of {total})",
+    "round": "The seeding round with {address} failed: {error}",
+}
+SEED_WEIGHTS_FALLBACK = "{reason}; loading the weights from the checkpoint's shards instead"
+SEED_WEIGHTS_FATAL = ("{reason}; this replica has no checkpoint shards to fall back on (give it the shards, or "
+                      "start it once the seed daemon serves)")
+SEEDED_WEIGHTS = ("Rank {rank} weights: seeded from {address} ({tensors} tensors, {mib:.1f} MiB in {seconds:.2f} s, "
+                  "{how}, {sent} bytes sent by this daemon), digests checked")
+# header: dialling, the request, the source's answer and its checks; then allocate, receive, verify, pack
+SEEDING_PHASES = "Rank {rank} seeding phases (s): {phases}"
+WEIGHTS_FROM_DISK = "Rank {rank} weights: read from the checkpoint's shards ({why})"
+SEED_ROUND_DONE = ("Seeding round {round}: {replicas} replica(s) of rank {rank} served by {how} in {seconds:.2f} s; "
+                   "{sent} bytes sent by this daemon for {size} bytes of arena")

@@ -30,6 +30,7 @@ import matrix_tables
 import plot_bench
 import pytest
 import respawn_tables
+import seed_tables
 from tools.docs_runner.parse import extract_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,6 +294,7 @@ def test_every_published_record_is_rendered():
     shown = {p.name for p, _ in bench_records.bench_records()} | {p.name for p, _ in matrix_tables.matrix_records()}
     shown |= {p.name for p, _ in doc_tables.streaming_records()}
     shown |= {p.name for p, _ in respawn_tables.respawn_records()}
+    shown |= {p.name for p, _ in seed_tables.seed_records()}
     assert records and set(records) == shown
     logs = gpu_logs.gpu_test_logs()
     assert logs and all(log.name in page("validation.md") for log in logs)

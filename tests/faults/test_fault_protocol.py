@@ -242,16 +242,21 @@ def test_fuzzed_frames_and_bad_tokens_on_the_seed_listener(daemon, rank, sock, p
         assert answer["ok"] is False and answer["error"] == "protocol", (bad.label, answer)
         assert bad.message is None or bad.message in answer["message"], (bad.label, bad.message, answer)
         frames += 1
-    # 2. The right token: the two read-only fetches answer, anything else is forbidden.
+    # 2. The right token: the read-only fetches answer, anything else is forbidden.
     assert seed_ask(port, frame(request("ping", token=TOKEN))) == [{"v": 1, "ok": True, "rank": 0, "has_cache": False}]
     for _ in range(300):
-        op = rng.choice(["get_autotune", "release", "get_state", "put_autotune", "shutdown", None, 7, ["ping"]])
+        op = rng.choice(["get_autotune", "get_weights", "release", "get_state", "put_autotune", "shutdown", None, 7,
+                         ["ping"]])
         obj = request(op, token=TOKEN)
         if rng.random() < 0.5:
             obj["key"] = rng.choice([{}, {"dtype": "x"}, [], "key", None, 1])
+        if op == "get_weights" and rng.random() < 0.5:
+            obj["small"] = rng.choice([{}, {"shards": "x"}, [], None])
         [answer] = seed_ask(port, frame(obj))
         if op == "get_autotune":
             expected = "no_cache" if isinstance(obj.get("key"), dict) else "protocol"
+        elif op == "get_weights":  # a key and small files that are objects: checked, and not this daemon's
+            expected = "mismatch" if isinstance(obj.get("key"), dict) and isinstance(obj.get("small"), dict) else "protocol"
         else:
             expected = "forbidden"
         assert answer["error"] == expected, (obj, answer)

@@ -125,10 +125,13 @@ def ask(srv, obj: dict) -> dict:
 def test_seed_server_serves_read_only_fetches_after_the_token(server):
     assert seed.fetch(server.address, TOKEN, server.key) == server.doc
     assert ask(server, request("ping", token=TOKEN)) == {"v": 1, "ok": True, "rank": 0, "has_cache": True}
-    # Anything but the two fetches is refused, even with the right token.
+    # Anything but the fetches is refused, even with the right token.
     for op in ("release", "get_state", "put_autotune", None):
         answer = ask(server, request(op, token=TOKEN))
-        assert answer["error"] == "forbidden" and "only ['ping', 'get_autotune']" in answer["message"]
+        assert answer["error"] == "forbidden" and "only ['ping', 'get_autotune', 'get_weights']" in answer["message"]
+    # A server given no weights (this one) refuses to send any.
+    answer = ask(server, request("get_weights", token=TOKEN, key=server.key, small={}))
+    assert answer["error"] == "forbidden" and answer["message"] == "this daemon serves no weights"
     # Without the token nothing is looked at: an unknown command gets the token error, not "forbidden".
     assert ask(server, request("shutdown"))["error"] == "token"
     assert ask(server, request("get_autotune", token=12345, key=server.key))["error"] == "token"

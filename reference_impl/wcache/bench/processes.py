@@ -27,7 +27,7 @@ class DaemonUnderTest:
 
     def __init__(self, model: str, device: str, dtype: str, socket_dir: Path, transport: str = "auto",
                  extra: tuple[str, ...] = (), log_name: str = "daemon.log", wait: bool = True,
-                 quantization: str | None = None):
+                 quantization: str | None = None, env: dict | None = None):
         """Started, and unless ``wait`` is False (a standby: restart.py) READY."""
         self.socket_dir = socket_dir
         cmd = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "preload", "--model", model,
@@ -38,7 +38,8 @@ class DaemonUnderTest:
         self.log = open(self.log_path, "ab")
         t0 = time.monotonic()
         # Its own session: a restart measurement kills the launcher and its ranks together.
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         if wait:
             self.ready_s = self.wait_ready(t0)
 

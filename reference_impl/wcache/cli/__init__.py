@@ -122,6 +122,10 @@ def _main(argv: list[str], command: str | None) -> int:
             from wcache.bench.health import run_bench_health
 
             return run_bench_health(args)
+        if args.command == "bench" and args.seed:
+            from wcache.bench.seeding import run_bench_seed
+
+            return run_bench_seed(args)
         if args.command == "bench" and args.respawn:
             from wcache.bench.respawn import run_bench_respawn
 

@@ -280,6 +280,15 @@ def add_preload_args(p) -> None:
     s.add_argument("--weight-cache-seed", default=None, metavar="HOST:PORT[,...]",
                    help="pull the autotune cache from a running daemon before tuning: one address per "
                         "local rank, in local rank order")
+    s.add_argument("--weight-cache-seed-weights", default="auto", choices=["auto", "always", "never"],
+                   help="with --weight-cache-seed, also take the weights from that daemon: auto when the model "
+                        "directory has no shards, always (even with shards: a network faster than the disk), never "
+                        "(see docs/seeding-replicas.md)")
+    s.add_argument("--weight-cache-seed-round-window", type=float, default=None, metavar="SECONDS",
+                   help="a seed daemon gathers the replicas that ask for weights within this many seconds of the "
+                        "first into one fan-out round (default: 2)")
+    s.add_argument("--weight-cache-seed-stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a replica gives up on a seed daemon that sends nothing for this long (default: 30)")
 
 
 def _quantization_choices() -> list[str]:
@@ -306,6 +315,12 @@ def add_bench_args(p) -> None:
     p.add_argument("--health-under-load", action="store_true",
                    help="instead: GET /health latency (p50, p99, max over 200 probes) while 200 completion "
                         "connections are held open and 16 streams run (bench/health.py)")
+    p.add_argument("--seed", action="store_true",
+                   help="instead: weight seeding from a running daemon against a raw TCP copy of the same bytes, "
+                        "one replica against --seed-replicas at once, and against a disk start (bench/seeding.py)")
+    p.add_argument("--seed-replicas", type=int, default=4, help="with --seed: replicas of the fan-out round")
+    p.add_argument("--seed-window", type=float, default=3.0,
+                   help="with --seed: the fan-out source's --weight-cache-seed-round-window")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:

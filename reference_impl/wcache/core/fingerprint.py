@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from wcache import PROTOCOL_VERSION, __version__
-from wcache.core import checkpoint
+from wcache.core import checkpoint, seeded_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_arch
 
@@ -119,10 +119,18 @@ def _memo_path(model_dir: Path) -> Path:
     return cache_root() / "fingerprints" / f"{tag}.json"
 
 
-def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tuple[str, dict]:
+def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False,
+                      entries: dict | None = None) -> tuple[str, dict]:
     """Digest over (file name, size, content hash) of every shard, plus stats of how it was made.
-    ``rehash``: hash every file, remembered or not (--weight-cache-rehash)."""
+    ``rehash``: hash every file, remembered or not (--weight-cache-rehash). ``entries``: filled with
+    each file's [size, sha256] (what a seed daemon sends its replicas)."""
     model_dir = Path(model_dir)
+    seeded = seeded_checkpoint.digest(model_dir, cache_root(), combine)
+    if seeded is not None:  # a replica whose weights came from a seed daemon: no shard to hash
+        digest, stats, files = seeded
+        if entries is not None:
+            entries.update(files)
+        return digest, stats
     files = checkpoint.shard_files(model_dir, whole=False) + [model_dir / "config.json"]
     memo_file = _memo_path(model_dir)
     try:
@@ -144,12 +152,21 @@ def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False) -> tup
             settled.add(n)
     if fresh:
         _atomic_write_json(memo_file, {n: memo[n] for n in stats if n in settled})
-    h = hashlib.sha256()
-    for n in sorted(stats):
-        h.update(f"{n}\0{stats[n].st_size}\0{memo[n]['sha256']}\n".encode())
+    files = {n: [stats[n].st_size, memo[n]["sha256"]] for n in stats}
+    if entries is not None:
+        entries.update(files)
     hashed_bytes = sum(stats[n].st_size for n in fresh)
-    return h.hexdigest(), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes,
-                           "files_unsettled": len(stats) - len(settled)}
+    return combine(files), {"files": len(stats), "files_hashed": len(fresh), "bytes_hashed": hashed_bytes,
+                            "files_unsettled": len(stats) - len(settled)}
+
+
+def combine(entries: dict[str, list]) -> str:
+    """The checkpoint digest from each file's [size, sha256]: what a seeded replica, which has the
+    source's list but no shard, computes the same way."""
+    h = hashlib.sha256()
+    for n in sorted(entries):
+        h.update(f"{n}\0{entries[n][0]}\0{entries[n][1]}\n".encode())
+    return h.hexdigest()
 
 
 def _atomic_write_json(path: Path, obj) -> None:

@@ -265,7 +265,8 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
-                seed_token=seeding["seed_token"])
+                seed_token=seeding["seed_token"], seed_weights=seeding["seed_weights"],
+                seed_window_s=seeding["seed_window_s"], seed_stall_s=seeding["seed_stall_s"])
     seeds = seeding["seeds"]
     ranks = []
     try:

@@ -34,7 +34,7 @@ import torch
 
 from wcache.core import autotune, no_dump
 from wcache import logs
-from wcache.daemon import arena_record, seed
+from wcache.daemon import ENTERED, arena_record, prewarm, seed
 from wcache.daemon.lifeline import die_with_parent
 from wcache.daemon.metrics import RankMetrics
 from wcache.model.quant import refuse_for_cache
@@ -78,7 +78,8 @@ from wcache.wire.sockets import (
 from wcache.wire.arena import manifest
 from wcache.wire.arenas import make_arena
 from wcache.wire.transports.auto import resolve_transport
-from wcache.daemon import ENTERED, prewarm
+from wcache.daemon.weight_pull import load_weights  # weights from a seed daemon or the disk
+from wcache.daemon.weight_source import WeightSource
 from wcache.wire import handback
 
 log = logging.getLogger("wcache.daemon")
@@ -144,8 +145,9 @@ class RankDaemon:
     def load(self) -> None:
         refuse_for_cache(self.cfg.quant)
         t0 = time.perf_counter()
-        digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False))
+        digest, stats = checkpoint_digest(self.cfg.model, rehash=self.spec.get("rehash", False), entries=(files := {}))
         self.key = cache_key(self.cfg, digest)
+        self.shards = {n: e for n, e in files.items() if n != "config.json"}  # what seeded replicas are sent
         MARKS["key"] = time.monotonic()
         from wcache.core.distributed import (
             join_daemon_world,  # one torch.distributed world over all ranks and nodes
@@ -169,15 +171,27 @@ class RankDaemon:
             gc.collect()  # the post-processed copies are in the arena now; free the transients
             if self.cfg.device == "cuda":
                 torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just to torch's pool
-        # The answer to get_state never changes: encode it once (10,000 entries take ms to encode).
-        self.state_frame = encode(reply(True, arena=self.arena.descriptor(), manifest=manifest(self.arena.layout),
-                                        aliases=self.aliases, attrs=self.attrs, device_id=self.device_id,
-                                        weights_bytes=self.weights_bytes))
+        self._encode_state()
         if adopted:
             return
         log.info("Rank %d loaded %d tensors (%.1f MiB) into a %s arena in %.2f s (hashed %d of %d files)",
                  self.rank, len(self.arena.layout.entries), self.weights_bytes / 2**20, self.arena.kind,
                  time.perf_counter() - t0, stats["files_hashed"], stats["files"])
+
+    def _encode_state(self) -> None:
+        # The answer to get_state never changes: encode it once (10,000 entries take ms to encode).
+        self.state_frame = encode(reply(True, arena=self.arena.descriptor(), manifest=manifest(self.arena.layout),
+                                        aliases=self.aliases, attrs=self.attrs, device_id=self.device_id,
+                                        weights_bytes=self.weights_bytes))
+
+    def take_seeded(self, seeded) -> None:
+        """Serve an arena seeded from another daemon (weight_pull.py) instead of loading one."""
+        MARKS["key"] = MARKS["adopt"] = time.monotonic()
+        self.key, self.shards, self.arena = seeded.key, seeded.shards, seeded.arena
+        self.aliases, self.attrs, self.weights_bytes = seeded.aliases, seeded.attrs, seeded.weights_bytes
+        self._encode_state()
+        if self.spec.get("adopt", True):
+            self._record()
 
     def _record(self) -> None:
         """Write what a restarted daemon may adopt: this arena, with everything served with it."""
@@ -223,8 +237,13 @@ class RankDaemon:
         listen = self.spec.get("seed_listen")
         if listen:
             host, base = listen
+            served = {"manifest": manifest(self.arena.layout), "aliases": self.aliases, "attrs": self.attrs,
+                      "weights_bytes": self.weights_bytes}
+            weights = WeightSource(self.rank, self.key, self.cfg.model, self.shards, served,
+                                   lambda: None if self.released else self.arena, self.spec.get("seed_window_s"))
             self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
-                                               lambda: self.autotune_doc, self.rank, self.metrics.seed_answer).start()
+                                               lambda: self.autotune_doc, self.rank, self.metrics.seed_answer,
+                                               weights=weights).start()
 
     @functools.cached_property
     def socket_path(self) -> Path:
@@ -505,7 +524,6 @@ def _peer_pid(conn: socket.socket) -> int:
         return -1
 
 
-
 def start_phases(spec: dict) -> dict:
     """Seconds of each start-up step, from the launcher's spawn of this rank to now (serving)."""
     now = time.monotonic()
@@ -552,7 +570,7 @@ def main() -> int:
             torch.empty(1, device=daemon.cfg.torch_device)
             torch.cuda.synchronize(daemon.cfg.torch_device)
         MARKS["cuda_context"] = time.monotonic()
-        daemon.load()
+        load_weights(daemon)  # from a seed daemon (--weight-cache-seed) or the disk
         MARKS["loaded"] = time.monotonic()
         daemon.autotune_pass()
         MARKS["autotuned"] = time.monotonic()

@@ -45,7 +45,7 @@ from wcache.wire.protocol import (
 
 log = logging.getLogger("wcache.seed")
 
-SERVED_OPS = ("ping", "get_autotune")
+SERVED_OPS = ("ping", "get_autotune", "get_weights")  # get_weights: weight_source.py
 MAX_REQUEST_BYTES = 64 << 10
 MAX_CONNECTIONS = 16
 TIMEOUT_S = 10.0
@@ -81,7 +81,13 @@ def preload_seed_settings(args) -> dict:
                                          for a in args.weight_cache_seed.split(",") if a.strip())]
     if token is not None and len(token) < MIN_TOKEN_CHARS:
         raise SeedConfigError(SeedConfigError.SHORT_TOKEN.format(min=MIN_TOKEN_CHARS))
-    return {"seed_listen": list(listen) if listen else None, "seed_token": token, "seeds": seeds}
+    window, stall = getattr(args, "weight_cache_seed_round_window", None), getattr(args, "weight_cache_seed_stall_timeout", None)
+    for flag, value in (("--weight-cache-seed-round-window", window), ("--weight-cache-seed-stall-timeout", stall)):
+        if value is not None and not 0 <= value <= 3600:  # also NaN
+            raise SeedConfigError(SeedConfigError.BAD_SECONDS.format(flag=flag, value=value))
+    return {"seed_listen": list(listen) if listen else None, "seed_token": token, "seeds": seeds,
+            "seed_weights": getattr(args, "weight_cache_seed_weights", None) or "auto", "seed_window_s": window,
+            "seed_stall_s": stall}
 
 
 def _digest(token) -> bytes:
@@ -93,8 +99,9 @@ def _digest(token) -> bytes:
 class SeedServer:
     """Serves one rank's autotune cache document (``get_doc()``; None when it has none)."""
 
-    def __init__(self, host: str, port: int, token: str, get_doc, rank: int, counted=None):
+    def __init__(self, host: str, port: int, token: str, get_doc, rank: int, counted=None, weights=None):
         self.address = f"{host}:{port}"
+        self.weights = weights  # a weight_source.WeightSource, or None: get_weights is then refused
         self.counted = counted  # told each answer (daemon/metrics.py counts served and refused requests)
         self.token_digest = _digest(token)
         self.get_doc = get_doc
@@ -201,6 +208,12 @@ class SeedServer:
             if op not in SERVED_OPS:
                 self._answer(conn, reply(False, error="forbidden", message=f"only {list(SERVED_OPS)} are served "
                                        "remotely"))
+                return
+            if op == "get_weights":
+                if self.weights is None:
+                    self._answer(conn, reply(False, error="forbidden", message="this daemon serves no weights"))
+                else:
+                    self.weights.serve(conn, req, peer)
                 return
             doc = self.get_doc()
             if op == "ping":

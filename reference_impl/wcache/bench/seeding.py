@@ -1,0 +1,191 @@
+"""`wcache bench --seed`: weight seeding against a raw TCP copy of the same bytes, one replica against
+several, and against a replica that reads its own shards, measured in one run on loopback.
+
+Real daemons throughout: a source (`wcache preload --weight-cache-seed-listen`) and replicas whose
+model directories hold every file of the checkpoint but the shards, each with its own socket
+directory and cache root, as on other hosts. Per measurement:
+
+* ``raw_tcp_gb_per_s``: the arena's byte count sent by this process over one loopback TCP connection
+  to a child process that receives it into a buffer of that size, allocated once connected as a
+  replica's arena is (Python sendall and recv_into, no check): what a seed's transfer cannot beat
+  here; ``raw_tcp_touched_gb_per_s``: the same into a buffer allocated and touched beforehand;
+* ``seed_gb_per_s``: the arena's bytes over the seconds the replica logs from dialling the source to
+  the digests checked (header, stream, verification), with a source whose round window is 0;
+* ``single_s``: one replica daemon from its spawn to READY (interpreter, imports, seeding, autotune
+  from the source), against ``disk_s``: the same daemon with the shards and
+  ``--weight-cache-seed-weights never``, which hashes and reads them (its autotune cache seeded too);
+* ``fanout_s``: N replicas spawned at once, to the last READY, from a source whose round window is
+  ``window_s`` (it waits that long for the replicas that ask, so they form one round);
+* ``source_bytes_sent_N``: what the source daemon's round sent (its log), against ``model_bytes``,
+  the arena's size; each replica's own bytes sent are in ``replica_bytes_sent_N``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from wcache.bench.api import free_port
+from wcache.bench.failure import bench_failure
+from wcache.bench.processes import DaemonUnderTest
+from wcache.wire.sockets import short_private_dir
+
+TOKEN_ENV = "WCACHE_SEED_TOKEN"
+SEEDED = re.compile(r"weights: seeded from \S+ \(\d+ tensors, [\d.]+ MiB in ([\d.]+) s, ([^,]+), (\d+) bytes sent")
+ROUND = re.compile(r"Seeding round \d+: (\d+) replica\(s\) of rank 0 served by (.*?) in ([\d.]+) s; (\d+) bytes sent "
+                   r"by this daemon for (\d+) bytes of arena")
+RECEIVER = """
+import socket, sys, time
+n, fresh = int(sys.argv[2]), sys.argv[3] == "fresh"
+buf = None if fresh else bytearray(n)
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+buf = buf or bytearray(n)
+view = memoryview(buf)
+got = 0
+while got < n:
+    k = s.recv_into(view[got:], min(n - got, 4 << 20))
+    if not k: sys.exit("closed early")
+    got += k
+print(time.monotonic())
+"""
+
+
+def raw_tcp_s(nbytes: int, fresh: bool = True) -> float:
+    """Seconds to move ``nbytes`` from this process to a child over one loopback TCP connection;
+    ``fresh``: into memory the child allocates once connected (as a replica's arena is), else into
+    a buffer it allocated and touched before."""
+    import socket
+
+    data = bytearray(os.urandom(1 << 20)) * (-(-nbytes // (1 << 20)))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = subprocess.Popen([sys.executable, "-c", RECEIVER, str(server.getsockname()[1]), str(nbytes),
+                                  "fresh" if fresh else "touched"],
+                                 stdout=subprocess.PIPE, text=True)
+        conn, _ = server.accept()
+        t0 = time.monotonic()
+        with conn:
+            conn.sendall(memoryview(data)[:nbytes])
+            out, _ = child.communicate(timeout=600)
+    if child.returncode:
+        raise bench_failure("the raw TCP copy", "receiver", out or "", code=child.returncode)
+    return float(out.strip()) - t0
+
+
+def small_files(model: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for f in model.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+class Bench:
+    def __init__(self, args, work: Path):
+        self.args, self.work = args, work
+        self.bare = small_files(Path(args.model), work / "bare")
+        self.n = 0
+
+    def daemon(self, model, *extra: str, wait: bool = True, name: str = "replica") -> DaemonUnderTest:
+        self.n += 1
+        sockets = self.work / f"s{self.n}"
+        sockets.mkdir(mode=0o700)
+        # each daemon its own cache root: a replica on another host has no digest memo, no autotune file
+        env = {"WCACHE_CACHE_ROOT": str(self.work / f"root{self.n}")}
+        return DaemonUnderTest(str(model), self.args.device, self.args.dtype, sockets, extra=extra, wait=wait,
+                               log_name=f"{name}-{self.n}.log", env=env)
+
+    def source(self, window: float) -> tuple[DaemonUnderTest, str]:
+        address = f"127.0.0.1:{free_port()}"
+        return self.daemon(self.args.model, "--weight-cache-seed-listen", address,
+                           "--weight-cache-seed-round-window", str(window), name="source"), address
+
+    def replicas(self, address: str, n: int) -> tuple[float, list[dict]]:
+        t0 = time.monotonic()
+        started = [self.daemon(self.bare, "--weight-cache-seed", address, wait=False) for _ in range(n)]
+        try:
+            for d in started:
+                d.wait_ready(t0)
+            took = time.monotonic() - t0
+            return took, [_seeded(d) for d in started]
+        finally:
+            for d in started:
+                d.stop()
+
+
+def _seeded(d: DaemonUnderTest) -> dict:
+    m = SEEDED.search(d.text())
+    if not m:
+        raise bench_failure("a replica's seeding", "replica", d.text(), code=d.proc.returncode)
+    return {"seconds": float(m.group(1)), "how": m.group(2), "bytes_sent": int(m.group(3))}
+
+
+def _round(source: DaemonUnderTest, replicas: int) -> dict:
+    found = [m for m in ROUND.finditer(source.text()) if int(m.group(1)) == replicas]
+    if not found:
+        raise bench_failure(f"a seeding round of {replicas}", "source daemon", source.text())
+    m = found[-1]
+    return {"how": m.group(2), "seconds": float(m.group(3)), "bytes_sent": int(m.group(4)), "arena": int(m.group(5))}
+
+
+def run_bench_seed(args) -> int:
+    from wcache.bench.host import environment
+    from wcache.core.config import EngineConfig
+
+    cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
+    work = short_private_dir("wcache-seed-")
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())  # every daemon of the run inherits it
+    fan, window, repeat = args.seed_replicas, args.seed_window, max(1, args.repeat)
+    bench = Bench(args, work)
+    try:
+        src, address = bench.source(0.0)
+        singles, seeds, rounds = [], [], []
+        for _ in range(repeat):
+            took, (one,) = bench.replicas(address, 1)
+            singles.append(took)
+            seeds.append(one["seconds"])
+            rounds.append(_round(src, 1))
+        disk = []
+        for _ in range(repeat):  # its autotune cache from the source as well: only the weights differ
+            d = bench.daemon(args.model, "--weight-cache-seed", address, "--weight-cache-seed-weights", "never",
+                             name="disk")
+            disk.append(d.ready_s)
+            d.stop()
+        src.stop()
+        model_bytes = rounds[0]["arena"]
+        raw = [raw_tcp_s(model_bytes) for _ in range(repeat)]
+        touched = [raw_tcp_s(model_bytes, fresh=False) for _ in range(repeat)]
+        src, address = bench.source(window)
+        fan_s, fan_rep = bench.replicas(address, fan)
+        fan_round = _round(src, fan)
+        src.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    seed_s, raw_s = statistics.median(seeds), statistics.median(raw)
+    single_s = statistics.median(singles)
+    record = {**environment(cfg.device), "model": Path(args.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
+              "model_bytes": model_bytes,
+              "seed_gb_per_s": round(model_bytes / seed_s / 1e9, 3), "raw_tcp_gb_per_s": round(model_bytes / raw_s / 1e9, 3),
+              "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
+              "seed_s": round(seed_s, 4), "raw_tcp_s": round(raw_s, 4), "single_source_round_s": rounds[0]["seconds"],
+              "single_s": round(single_s, 3), "disk_s": round(statistics.median(disk), 3),
+              "window_s": window, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
+              f"fanout_{fan}_how": fan_round["how"], f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
+              f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
+              "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],
+                          "raw_tcp_touched_s": [round(r, 4) for r in touched], "single_s": [round(s, 3) for s in singles],
+                          "disk_s": [round(s, 3) for s in disk]}}
+    record["seed_vs_raw_tcp"] = round(record["seed_gb_per_s"] / record["raw_tcp_gb_per_s"], 3)
+    record[f"fanout_{fan}_vs_single"] = round(fan_s / single_s, 3)
+    record[f"source_bytes_sent_{fan}_vs_model"] = round(fan_round["bytes_sent"] / model_bytes, 4)
+    text = json.dumps(record, indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
