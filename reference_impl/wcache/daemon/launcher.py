@@ -27,7 +27,7 @@ from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.model.quant import refuse_for_cache
-from wcache.core import checkpoint, fp8_check
+from wcache.core import checkpoint, fp8_check, seeded_checkpoint
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
 from wcache.core.stop_flag import StopFlag
@@ -187,8 +187,10 @@ def run_preload(args) -> int:
         raise PreloadConfigError(STOP_TIMEOUT_INVALID.format(value=args.weight_cache_stop_timeout))
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
     refuse_for_cache(cfg.quant)
-    # Broken shards and FP8 values stop the launcher with their own line, before any rank starts.
-    fp8_check.check(cfg.model, checkpoint.shard_files(cfg.model), cfg.quant)
+    # Broken shards and FP8 values stop the launcher with their own line, before any rank starts. A
+    # replica without shards that seeds its weights has none to check: the seed's digests check them.
+    if seeded_checkpoint.has_shards(Path(cfg.model)) or not getattr(args, "weight_cache_seed", None):
+        fp8_check.check(cfg.model, checkpoint.shard_files(cfg.model), cfg.quant)
     plan = plan_local_ranks(args, cfg)
     log.info("Daemon plan: %s", plan.describe())
     planned = plan.layout.local_ranks()
