@@ -129,7 +129,8 @@ class ExternalWeightsExceedBudgetError(UserError):
     TEMPLATE = ("Externally held weights ({external}) exceed the desired {memory} utilization "
                 "({utilization} x {capacity} = {budget}); {fix}")
     MEMORY = {"cuda": "GPU memory", "cpu": "CPU memory"}
-    FIX_RAISE = "raise --gpu-memory-utilization to at least {needed}"
+    FIX_RAISE = ("raise --gpu-memory-utilization to at least {needed} for the weights alone (activations and the "
+                 "KV cache need more: the next start names the least share that holds them all)")
     FIX_SMALL = ("they exceed the device's capacity: give each rank a smaller share of the model "
                  "(more tensor or pipeline parallelism)")
 
@@ -159,6 +160,14 @@ class RespawnError(UserError):
 class KVCacheBudgetError(UserError):
     NO_ROOM = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization "
                "(or --cpu-memory-capacity on CPU)")
+    # The same, where this rank's own plan shows how much is missing: the least share that leaves
+    # one token, or, when no share of the capacity would do, that the capacity is too small.
+    NO_ROOM_RAISE = ("No memory left for the KV cache: {split}. Raise --gpu-memory-utilization to at least "
+                     "{needed} (weights, activations and one token of KV cache need {total})")
+    NO_ROOM_CAPACITY = ("No memory left for the KV cache: {split}. No --gpu-memory-utilization is enough: weights, "
+                        "activations and one token of KV cache need {total}, more than the whole {capacity}; {fix}")
+    CAPACITY_FIX = {"cpu": "raise --cpu-memory-capacity to at least {size} (at --gpu-memory-utilization {utilization})",
+                    "cuda": "give each rank a smaller share of the model (more tensor or pipeline parallelism)"}
     TOO_LONG = ("--max-model-len {length} needs {length} KV cache tokens but the memory budget holds {tokens}: "
                 "{split}. Raise --gpu-memory-utilization or lower --max-model-len")
 
@@ -411,3 +420,22 @@ DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepti
 DRAINING = "Stopped accepting; draining {n} in-flight request(s) for up to {timeout:g} s"
 DRAIN_CUT = "Drain deadline of {timeout:g} s passed: ending {n} request(s) with an error"
 DRAINED = "Drained in {seconds:.1f} s"
+
+
+class MaxModelLenError(UserError):
+    # vLLM's text (ModelConfig's max length check), less its model_max_length alternative: wcache
+    # reads no tokenizer maximum. The rotary tables stop at the model's positions, so, as vLLM
+    # does, a longer user-set length is refused rather than lowered.
+    TOO_LONG = ("User-specified max_model_len ({requested}) is greater than the derived max_model_len "
+                "(max_position_embeddings={derived} in model's config.json). This may lead to incorrect model "
+                "outputs or CUDA errors. Make sure the value is correct and within the model context size.")
+
+
+class ModelArgumentError(UserError):
+    """Where the model directory goes: `wcache serve DIR` or `--model DIR` (both, as vLLM's serve
+    takes both), `wcache preload --model DIR` (the flag only, as upstream's preload)."""
+    SERVE_MISSING = "wcache serve needs a model directory: wcache serve DIR, or wcache serve --model DIR"
+    SERVE_TWICE = "wcache serve was given two models, {positional!r} and --model {flag!r}: give one"
+    PRELOAD_MISSING = "wcache preload needs the model as a flag: wcache preload --model DIR"
+    PRELOAD_POSITIONAL = ("wcache preload takes the model as a flag, not as a positional argument: "
+                          "wcache preload --model {positional} (wcache serve takes either)")

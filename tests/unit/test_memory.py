@@ -73,7 +73,9 @@ def test_external_weights_exceed_budget_message():
     with pytest.raises(ExternalWeightsExceedBudgetError) as e:
         memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB)
     assert str(e.value) == ("Externally held weights (6.00 MiB) exceed the desired GPU memory utilization "
-                            "(0.5 x 10.00 MiB = 5.00 MiB); raise --gpu-memory-utilization to at least 0.60")
+                            "(0.5 x 10.00 MiB = 5.00 MiB); raise --gpu-memory-utilization to at least 0.60 for the "
+                            "weights alone (activations and the KV cache need more: the next start names the least "
+                            "share that holds them all)")
     with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the desired CPU memory utilization"):
         memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB, device_type="cpu")
     with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the device's capacity"):
@@ -118,6 +120,29 @@ def test_max_model_len_from_the_budget():
     empty = memory.MemoryPlan("cpu", 100 * MiB, 0.5, 50 * MiB, 0, 0, MiB)
     with pytest.raises(KVCacheBudgetError, match=r"^No memory left for the KV cache: budget"):
         memory.size_max_model_len(empty, None, 2048, 512)
+
+
+def test_no_room_names_the_share_that_works_or_that_the_capacity_is_too_small():
+    """Following the message's advice must work: the share it names leaves a token of KV cache, and
+    where no share would, the message says the capacity itself is too small (memory.md once said to
+    raise the share to a value that then failed with this error)."""
+    plan = memory.MemoryPlan("cpu", 100 * MiB, 0.5, 40 * MiB, 10 * MiB, 20 * MiB, MiB)  # 71 MiB with 1 token
+    with pytest.raises(KVCacheBudgetError) as e:
+        memory.size_max_model_len(plan, None, 2048, 512)
+    assert str(e.value) == KVCacheBudgetError.NO_ROOM_RAISE.format(split=plan.split(), needed="0.71",
+                                                                   total="71.00 MiB")
+    assert memory.MemoryPlan("cpu", 100 * MiB, 0.71, 40 * MiB, 10 * MiB, 20 * MiB, MiB).kv_tokens >= 1
+    for device, fix in [("cpu", "raise --cpu-memory-capacity to at least 78.89MiB (at --gpu-memory-utilization 0.9)"),
+                        ("cuda", "give each rank a smaller share of the model")]:
+        small = memory.MemoryPlan(device, 64 * MiB, 0.9, 40 * MiB, 10 * MiB, 20 * MiB, MiB)
+        with pytest.raises(KVCacheBudgetError) as e:
+            memory.size_max_model_len(small, None, 2048, 512)
+        assert "No --gpu-memory-utilization is enough: weights, activations and one token of KV cache need " \
+               "71.00 MiB, more than the whole 64.00 MiB; " + fix in str(e.value)
+    # Room here but none on another rank (tokens= the least of every rank's): the plain message.
+    roomy = memory.MemoryPlan("cpu", 100 * MiB, 0.9, 0, 0, 0, MiB)
+    with pytest.raises(KVCacheBudgetError, match=r"\. Raise --gpu-memory-utilization \(or --cpu-memory-capacity"):
+        memory.size_max_model_len(roomy, None, 2048, 512, tokens=0)
 
 
 def test_engine_sizes_and_uses_its_kv_cache(tiny_model, wcache_env):

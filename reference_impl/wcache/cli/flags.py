@@ -139,7 +139,10 @@ def add_daemon_port_args(g) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from wcache.engine.runner import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
 
-    p.add_argument("model", help="model directory (config.json + *.safetensors)")
+    # vLLM's serve takes the model both ways: `vllm serve DIR` and `vllm serve --model DIR`.
+    p.add_argument("model", nargs="?", default=None, help="model directory (config.json + *.safetensors)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="DIR",
+                   help="the model directory as a flag, as vLLM's serve also accepts (give it once)")
     add_engine_args(p)
     add_serve_rank_args(p)
     p.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
@@ -220,7 +223,9 @@ def _seconds(text: str) -> float:
 
 def add_preload_command_args(p) -> None:
     """`wcache preload`: the model, the engine's flags (the same cache key) and the daemon's own."""
-    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--model", default=None, help="model directory (required)")
+    # Caught so that `wcache preload DIR` says how preload takes its model (cli.resolve_model).
+    p.add_argument("model_positional", nargs="?", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
     add_preload_args(p)
 

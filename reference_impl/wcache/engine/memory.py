@@ -340,6 +340,25 @@ def _measure_activation_peak(model, tokens: int) -> int:
     return int(peak)
 
 
+def no_room(plan: MemoryPlan) -> str:
+    """Why no KV cache fits, and the fix that works: the least utilization that holds one token, or,
+    when even the whole capacity does not, that the capacity is too small (following the first
+    advice would only give a second error)."""
+    E = KVCacheBudgetError
+    if plan.kv_tokens >= 1:  # this rank has room; another rank of the engine has none
+        return E.NO_ROOM.format(split=plan.split())
+    total = plan.budget - plan.kv_cache_bytes + plan.kv_bytes_per_token
+    if total <= plan.capacity:
+        needed = min(1.0, math.ceil(total / plan.capacity * 100) / 100)
+        return E.NO_ROOM_RAISE.format(split=plan.split(), needed=f"{needed:.2f}", total=format_bytes(total))
+    # The capacity whose share (this --gpu-memory-utilization) holds ``total``, rounded up to what a
+    # flag value can say (a size that the flag parses, never short of the need).
+    wanted = math.ceil(total / plan.utilization / 2**20 * 100) / 100
+    return E.NO_ROOM_CAPACITY.format(split=plan.split(), total=format_bytes(total), capacity=format_bytes(plan.capacity),
+                                     fix=E.CAPACITY_FIX[plan.device].format(size=f"{wanted:.2f}MiB",
+                                                                            utilization=f"{plan.utilization:g}"))
+
+
 def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, max_positions: int,
                        tokens: int | None = None) -> int:
     """The longest sequence the engine serves: the requested (or default) length, at most what the
@@ -348,7 +367,7 @@ def size_max_model_len(plan: MemoryPlan, requested: int | None, default: int, ma
     speculative draft's look-ahead)."""
     tokens = plan.kv_tokens if tokens is None else tokens
     if tokens < 1:
-        raise KVCacheBudgetError(KVCacheBudgetError.NO_ROOM.format(split=plan.split()))
+        raise KVCacheBudgetError(no_room(plan))
     want = min(requested or default, max_positions)
     if requested is not None and tokens < want:
         raise KVCacheBudgetError(KVCacheBudgetError.TOO_LONG.format(length=want, tokens=tokens, split=plan.split()))
