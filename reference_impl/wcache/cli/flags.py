@@ -13,7 +13,9 @@ import argparse
 #: (wcache.daemon.launcher.READY; not imported from there, so `wcache wait` does not load the daemon's
 #: modules). Here, not in wait.py, because a module of this package imports none of its siblings.
 READY = "Weight cache daemon READY"
-DEFAULT_TIMEOUT_S = 120.0  # `wcache wait --timeout`'s default
+# `wcache wait --timeout`'s default: the ipc_cache loader's state_timeout_s (300 s, loading/config.py),
+# so a wait for an engine that waits for its daemon does not give up before the engine does.
+DEFAULT_TIMEOUT_S = 300.0
 
 # The choices of the other commands' flags live beside the code that uses them, in modules that
 # import torch (about 2 s); each add_* function imports what it needs, so `wcache wait`, which runs
