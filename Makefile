@@ -93,7 +93,7 @@ test: $(VENV)/.dev-installed docs-assets browser-deps monitoring-deps checkov
 	$(PY) -m pytest tests $(XDIST) --durations=20
 	$(MAKE) lint
 
-# Under 3 minutes on a 2-core machine: leaves out docker, the browser and every test whose measured
+# 5 min 56 s on a busy 2-core machine (2026-12-07; README.md says the same): leaves out docker, the browser and every test whose measured
 # cost in tests/costs.json reaches tests/costs.py's SLOW_S (such tests are marked slow at collection).
 test-fast: $(VENV)/.dev-installed docs-assets monitoring-deps checkov
 	$(PY) -m pytest tests $(XDIST) -m "not slow and not docker and not browser"

@@ -135,7 +135,8 @@ class ExternalWeightsExceedBudgetError(UserError):
     TEMPLATE = ("Externally held weights ({external}) exceed the desired {memory} utilization "
                 "({utilization} x {capacity} = {budget}); {fix}")
     MEMORY = {"cuda": "GPU memory", "cpu": "CPU memory"}
-    FIX_RAISE = "raise --gpu-memory-utilization to at least {needed}"
+    FIX_RAISE = ("raise --gpu-memory-utilization to at least {needed} for the weights alone (activations and the "
+                 "KV cache need more: the next start names the least share that holds them all)")
     FIX_SMALL = ("they exceed the device's capacity: give each rank a smaller share of the model "
                  "(more tensor or pipeline parallelism)")
 
@@ -493,3 +494,22 @@ SEEDING_PHASES = "Rank {rank} seeding phases (s): {phases}"
 WEIGHTS_FROM_DISK = "Rank {rank} weights: read from the checkpoint's shards ({why})"
 SEED_ROUND_DONE = ("Seeding round {round}: {replicas} replica(s) of rank {rank} served by {how} in {seconds:.2f} s; "
                    "{sent} bytes sent by this daemon for {size} bytes of arena")
+
+
+class MaxModelLenError(UserError):
+    # vLLM's text (ModelConfig's max length check), less its model_max_length alternative: wcache
+    # reads no tokenizer maximum. The rotary tables stop at the model's positions, so, as vLLM
+    # does, a longer user-set length is refused rather than lowered.
+    TOO_LONG = ("User-specified max_model_len ({requested}) is greater than the derived max_model_len "
+                "(max_position_embeddings={derived} in model's config.json). This may lead to incorrect model "
+                "outputs or CUDA errors. Make sure the value is correct and within the model context size.")
+
+
+class ModelArgumentError(UserError):
+    """Where the model directory goes: `wcache serve DIR` or `--model DIR` (both, as vLLM's serve
+    takes both), `wcache preload --model DIR` (the flag only, as upstream's preload)."""
+    SERVE_MISSING = "wcache serve needs a model directory: wcache serve DIR, or wcache serve --model DIR"
+    SERVE_TWICE = "wcache serve was given two models, {positional!r} and --model {flag!r}: give one"
+    PRELOAD_MISSING = "wcache preload needs the model as a flag: wcache preload --model DIR"
+    PRELOAD_POSITIONAL = ("wcache preload takes the model as a flag, not as a positional argument: "
+                          "wcache preload --model {positional} (wcache serve takes either)")

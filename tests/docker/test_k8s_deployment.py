@@ -98,6 +98,34 @@ def test_seeding_ports_token_and_service_agree():
     assert "--weight-cache-seed-token" not in s  # never on the command line
 
 
+def test_every_engine_takes_its_api_key_from_a_secret():
+    """Each manifest's engine container reads VLLM_API_KEY (vLLM's variable) from the Secret
+    wcache-api-key, never from a value in the file or a flag on its command line."""
+    engines = [("k8s-deployment.yaml", container()), ("k8s-pod.yaml", yaml.safe_load(POD.read_text())["spec"]["containers"][0])]
+    pods = [d for d in yaml.safe_load_all((POD.parent / "k8s-pod-isolated.yaml").read_text()) if d and d["kind"] == "Pod"]
+    isolated = pods[0]["spec"]["containers"]
+    engines.append(("k8s-pod-isolated.yaml", next(c for c in isolated if c["name"] == "engine")))
+    for name, c in engines:
+        key = {e["name"]: e for e in c.get("env", [])}.get("VLLM_API_KEY")
+        assert key is not None, f"{name}: the engine serves without an API key"
+        assert key == {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wcache-api-key", "key": "key"}}}, name
+        assert "--api-key" not in " ".join(c.get("command", []) + c.get("args", [])), name
+
+
+def test_the_network_policy_admits_only_clients_to_the_engine_and_replicas_to_the_seed_port():
+    """No ingress rule without a `from` (which would admit every source); the engine's port only from
+    pods labelled wcache-client, the seed port only from other replicas, the health port from none."""
+    d = docs()
+    policy = d["NetworkPolicy"]["spec"]
+    labels = d["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    admitted = {}
+    for rule in policy["ingress"]:
+        assert rule.get("from"), f"an ingress rule open to every source: {rule}"
+        for port in rule["ports"]:
+            admitted[port["port"]] = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert admitted == {"http": [{"wcache-client": "true"}], "seed": [labels]}
+
+
 def test_the_container_is_the_pods_plus_the_documented_additions():
     pod = yaml.safe_load(POD.read_text())["spec"]["containers"][0]
     c = container()
@@ -126,7 +154,7 @@ def test_a_replica_serves_and_its_engine_worker_is_respawned_in_place(tiny_model
     short = Path(tempfile.mkdtemp(prefix="wck-", dir="/tmp"))
     report, log = tmp_path / "probes.jsonl", tmp_path / "container.log"
     env_args = [f"MODEL_DIR={tiny_model}", f"TMPDIR={short}", f"WCACHE_CACHE_ROOT={tmp_path / 'cache'}",
-                "WCACHE_SEED_TOKEN=0123456789abcdef0123",
+                "WCACHE_SEED_TOKEN=0123456789abcdef0123", "VLLM_API_KEY=the-secret-s-key",
                 f"PATH={Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"]
     argv = [sys.executable, str(HARNESS), str(spec_file), "--report", str(report), "--log", str(log)]
     argv += [a for e in env_args for a in ("--env", e)]

@@ -67,6 +67,7 @@ def _run_harness(model: Path, tmp: Path, steps: list[str], timeout: float = 300)
     short = Path(tempfile.mkdtemp(prefix="wck-", dir="/tmp"))  # a Unix socket path must stay short
     report, log = tmp / "probes.jsonl", tmp / "container.log"
     env_args = [f"MODEL_DIR={model}", f"TMPDIR={short}", f"WCACHE_CACHE_ROOT={tmp / 'cache'}",
+                "VLLM_API_KEY=the-secret-s-key",  # what the kubelet puts there from the Secret wcache-api-key
                 f"PATH={Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"]
     argv = [sys.executable, str(HARNESS), str(POD), "--report", str(report), "--log", str(log)]
     argv += [a for e in env_args for a in ("--env", e)] + [a for s in steps for a in ("--step", s)]

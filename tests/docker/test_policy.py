@@ -29,7 +29,7 @@ SKIPPED = {
     "CKV_K8S_43": "image digest: the image is the reader's own build; pin its digest once pushed",
     "CKV_K8S_15": "imagePullPolicy Always: a restart must not depend on the registry; versioned tags",
     "CKV_K8S_21": "default namespace: the files leave the namespace to kubectl apply -n",
-    "CKV_K8S_35": "secret as env: wcache reads the seed token from WCACHE_SEED_TOKEN or a flag",
+    "CKV_K8S_35": "secret as env: wcache reads the seed token and the API key (VLLM_API_KEY) from variables or flags",
     "CKV2_K8S_6": "NetworkPolicy: the Deployment file has one; the single pods leave it to the cluster",
     "CKV_DOCKER_7": "base tag: FROM takes an ARG whose default is a release tag checkov cannot read",
 }

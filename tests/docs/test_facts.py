@@ -39,6 +39,14 @@ def test_quickstart_states_wait_s_default_timeout():
     assert f"It gives up after {DEFAULT_TIMEOUT_S:g} seconds (`--timeout`)" in prose("quickstart.md")
 
 
+def test_wait_waits_as_long_as_an_engine_waits_for_its_daemon():
+    """`wcache wait --health` on an engine that waits for its daemon must not give up first (it once
+    gave up after 120 s, while the engine waited state_timeout_s, 300 s)."""
+    from wcache.engine.loading.config import LoaderConfig
+
+    assert DEFAULT_TIMEOUT_S == LoaderConfig().state_timeout_s
+
+
 def test_memory_page_stops_what_it_starts():
     text = (DOCS / "memory.md").read_text(encoding="utf-8")
     assert re.search(r"^DAEMON=\$!$", text, re.M) and re.search(r"^ENGINE=\$!$", text, re.M)

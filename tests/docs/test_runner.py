@@ -35,7 +35,9 @@ def write_page(tmp_path: Path, text: str, name: str = "page.md") -> Path:
 
 
 def run(tmp_path: Path, text: str, **kwargs) -> PageRunner:
-    """Run a page through PageRunner (BlockFailure propagates); fast teardown grace."""
+    """Run a page through PageRunner (BlockFailure propagates); fast teardown grace. What the page
+    leaves behind is checked only where a test asks (check_leftovers=True): these pages test other things."""
+    kwargs.setdefault("check_leftovers", False)
     runner = PageRunner(write_page(tmp_path, text), root=tmp_path, grace=3.0, **kwargs)
     runner.run()
     return runner
@@ -852,3 +854,84 @@ def test_a_missing_validator_library_is_named_in_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "kubernetes_validate", None)  # None in sys.modules: ImportError
     with pytest.raises(RuntimeError, match=r"^validating this block needs kubernetes-validate \(the dev extra"):
         validate.validate_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: x}\nspec: {containers: []}\n")
+
+
+# --- what a page leaves behind ---------------------------------------------------------------
+
+
+def test_a_page_that_cleans_up_after_itself_passes(tmp_path: Path) -> None:
+    run(tmp_path, """
+    # P
+
+    ```bash
+    WORK=$(mktemp -d)
+    echo x > "$WORK/made" && echo y > here.log
+    mkdir -p "$TMPDIR/wcache_$(id -u)" && touch "$TMPDIR/wcache_$(id -u)/wcache_weight_cache_cpu-0.sock.lock"
+    ```
+
+    ```bash
+    rm -rf "$WORK" here.log
+    ```
+    """, check_leftovers=True)
+
+
+@pytest.mark.parametrize("block, left", [
+    ("echo y > engine.log && mkdir tiny && touch tiny/config.json",
+     r"left in the working directory \(the reader's checkout\): engine\.log, tiny/config\.json"),
+    ("mktemp -d > /dev/null", r"left in \$TMPDIR \(.*\): tmp\.\w+/ \(empty\)"),
+    ("mkdir -p \"$TMPDIR/wcache_$(id -u)\" && touch \"$TMPDIR/wcache_$(id -u)/record.json\"",
+     r"left in \$TMPDIR \(.*\): wcache_\d+/ \(record\.json\)"),
+])
+def test_a_page_that_leaves_files_fails_naming_them(tmp_path: Path, block: str, left: str) -> None:
+    """The issue's leftovers: respawn.md's engine.log and tiny/ in the checkout, serve-reference.md's
+    mktemp directory, anything but a daemon's lock file in wcache's socket directory."""
+    with pytest.raises(BlockFailure, match=r"page\.md: " + left):
+        run(tmp_path, f"""
+        # P
+
+        ```bash
+        {block}
+        ```
+        """, check_leftovers=True)
+
+
+@pytest.mark.parametrize("make", ["mkdir /tmp/{name}", "mktemp -d /tmp/{name}.XXXXXX"])
+def test_a_page_that_leaves_a_path_it_names_in_tmp_fails(tmp_path: Path, make: str) -> None:
+    """kubernetes.md's /tmp/tiny; serve-reference.md's and monitoring.md's mktemp -d /tmp/... directories."""
+    name = f"wcache-leftover-test-{os.getpid()}"
+    before = set(os.listdir("/tmp"))
+    try:
+        with pytest.raises(BlockFailure, match=f"left in /tmp: /tmp/{name}"):
+            run(tmp_path, f"""
+            # P
+
+            ```bash
+            {make.format(name=name)} > /dev/null
+            ```
+            """, check_leftovers=True)
+    finally:
+        for entry in set(os.listdir("/tmp")) - before:
+            if entry.startswith(name):
+                shutil.rmtree(f"/tmp/{entry}", ignore_errors=True)
+
+
+def test_whole_output_fails_a_block_that_leaves_printed_lines_out(tmp_path: Path) -> None:
+    """monitoring.md showed some of what its greps printed; whole-output makes the page show all of it."""
+    page = """
+    # P
+
+    ```bash
+    printf 'a 1\\nb 2\\nc 3\\n'
+    ```
+
+    <!-- block: expect-output whole-output -->
+    ```text
+    a ...
+    {shown}
+    ```
+    """
+    run(tmp_path, page.format(shown="b 2\n    c 3"))
+    with pytest.raises(BlockFailure, match=r"marked whole-output, but the block printed 3 line\(s\) and the page "
+                                           r"shows 2: a reader sees lines the page leaves out\nA 1\nb 2\nc 3"
+                                           .replace("A 1", "a 1")):
+        run(tmp_path, page.format(shown="c 3"))

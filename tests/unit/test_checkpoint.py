@@ -122,6 +122,12 @@ def test_unknown_preset_and_missing_config_are_clear_errors(tmp_path):
 
     with pytest.raises(CheckpointError, match="No config.json in .*: not a model directory"):
         read_config(tmp_path)
+    # A mistyped path says so, not that the directory lacks a config.json ("No config.json in tinyy").
+    with pytest.raises(CheckpointError, match="^Model directory .*/tinyy: no such directory$"):
+        read_config(tmp_path / "tinyy")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="^Model directory .*/file: not a directory$"):
+        read_config(tmp_path / "file")
 
 
 def _numel(shape) -> int:

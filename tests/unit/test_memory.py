@@ -73,7 +73,9 @@ def test_external_weights_exceed_budget_message():
     with pytest.raises(ExternalWeightsExceedBudgetError) as e:
         memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB)
     assert str(e.value) == ("Externally held weights (6.00 MiB) exceed the desired GPU memory utilization "
-                            "(0.5 x 10.00 MiB = 5.00 MiB); raise --gpu-memory-utilization to at least 0.60")
+                            "(0.5 x 10.00 MiB = 5.00 MiB); raise --gpu-memory-utilization to at least 0.60 for the "
+                            "weights alone (activations and the KV cache need more: the next start names the least "
+                            "share that holds them all)")
     with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the desired CPU memory utilization"):
         memory.check_external(capacity=10 * MiB, utilization=0.5, external=6 * MiB, device_type="cpu")
     with pytest.raises(ExternalWeightsExceedBudgetError, match="exceed the device's capacity"):

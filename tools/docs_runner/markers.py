@@ -45,6 +45,12 @@ MARKERS: dict[str, MarkerSpec] = {
         " the page or in the log files its background commands write ('...' matches any text).",
         langs=frozenset(OUTPUT_LANGS),
     ),
+    "whole-output": MarkerSpec(
+        "With expect-output: the block shows the previous bash block's whole output, no line left"
+        " out (its printed lines, not its logs, are exactly as many as the block's non-empty lines;"
+        " '...' still stands for a changing value within a line).",
+        langs=frozenset(OUTPUT_LANGS),
+    ),
     "expect-fail": MarkerSpec(
         "The block must fail: a bash block must exit non-zero, a YAML/JSON block must be rejected"
         " by its validator. Its output still feeds a following expect-output block; a YAML/JSON"

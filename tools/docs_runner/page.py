@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import ROOT
+from . import ROOT, leftovers
 from .coverage import RUN, SKIPPED, SUBSTITUTED, UNMARKED, VALIDATED, Recorder, disposition, gpu_mode, rewrites
 from .handlers import bash, output, validate
 from .handlers.python import PythonWorker
@@ -45,8 +45,10 @@ class PageRunner:
         substitutions: list[Substitution] | None = None,
         grace: float = TERM_GRACE_S,
         gpu: bool | None = None,
+        check_leftovers: bool = True,
     ) -> None:
         self.page = Path(page)
+        self.check_leftovers = check_leftovers  # off only for the runner's own tests of other things
         self.root = Path(root)
         self.recorder = recorder
         self.extra_path = [Path(p) for p in extra_path]
@@ -83,6 +85,8 @@ class PageRunner:
             "TMPDIR": str(self.dir / "tmp"),
             # wcache's on-disk cache (fingerprint memo): cold and private for every page.
             "WCACHE_CACHE_ROOT": str(self.dir / "cache"),
+            # The daemons' arena records (hand-back): the page's own, not the home directory's.
+            "WCACHE_STATE_DIR": str(self.dir / "daemon-state"),
             "PATH": os.pathsep.join(path),
             "PYTHONUNBUFFERED": "1",
         }
@@ -98,6 +102,7 @@ class PageRunner:
     def run(self) -> None:
         blocks = extract_blocks(self.page, self.root)
         self._setup()
+        tmp_before = leftovers.tmp_entries()
         failure: str | None = None
         try:
             for i, block in enumerate(blocks):
@@ -106,6 +111,9 @@ class PageRunner:
             failure = str(e)
         finally:
             problems = self.teardown()
+        if failure is None and self.check_leftovers:  # a page that ran to its end leaves the reader's tree and /tmp as they were
+            problems += leftovers.find(self.dir / "work", self.dir / "tmp", tmp_before,
+                                       "\n".join(b.source for b in blocks))
         if failure is None and problems:
             failure = f"{display(self.page, self.root)}: " + "; ".join(problems)
         if os.environ.get(KEEP_ENV, "") in ("", "0"):
@@ -217,8 +225,15 @@ class PageRunner:
         if self.last_bash is None:
             self._fail(block, "expect-output block, but no bash block ran before it on this page")
         ran = self.last_bash[0]
-        problem = output.match_output(block.source, self._sources(),
+        sources = self._sources()
+        problem = output.match_output(block.source, sources,
                                       error_levels=bool(ran.marker and ran.marker.has("expect-fail")))
+        if problem is None and block.marker is not None and block.marker.has("whole-output"):
+            printed = [ln for ln in sources[0][1].splitlines() if ln.strip()]
+            shown = [ln for ln in block.source.splitlines() if ln.strip()]
+            if len(printed) != len(shown):
+                problem = (f"marked whole-output, but the block printed {len(printed)} line(s) and the page shows "
+                           f"{len(shown)}: a reader sees lines the page leaves out\n" + "\n".join(printed))
         if problem:
             self._fail(block, problem)
 

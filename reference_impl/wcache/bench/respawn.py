@@ -19,6 +19,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -243,6 +244,14 @@ def fresh_starts(args, work: Path, lc: dict | None, n: int) -> list[float]:
 
 
 def run_bench_respawn(args) -> int:
+    work = short_private_dir("wcache-respawn-")  # short whatever TMPDIR is: a socket path fits
+    try:
+        return _run_bench_respawn(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # as `wcache bench` does: nothing left in /tmp
+
+
+def _run_bench_respawn(args, work: Path) -> int:
     from wcache.bench.host import environment
     from wcache.bench.processes import DaemonUnderTest
     from wcache.core.config import EngineConfig
@@ -250,10 +259,10 @@ def run_bench_respawn(args) -> int:
     cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device)
     args.device = cfg.device
     n = max(1, args.repeat)
-    work = short_private_dir("wcache-respawn-")  # short whatever TMPDIR is: a socket path fits
     sockets = work / "s"
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")
+    os.environ["TMPDIR"] = str(work)  # the children's temporary files (metrics of killed processes) go with it
     lc = {"socket_dir": str(sockets), "fallback": False}
     daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
                              quantization=args.quantization)

@@ -53,6 +53,9 @@ def _run_bench(args, work: Path) -> int:
     sockets = work / "s"
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")  # a cold fingerprint memo for this run
+    # The children's temporary files too (a daemon killed with SIGKILL leaves its metrics directory):
+    # removed with the rest at the end, not left in the caller's TMPDIR.
+    os.environ["TMPDIR"] = str(work)
 
     # The checkpoint key: first sight of this path hashes every byte; a restart reuses the memo.
     t0 = time.perf_counter()

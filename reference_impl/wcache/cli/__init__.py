@@ -56,6 +56,23 @@ def command_named(argv: list[str]) -> str | None:
     return None
 
 
+def resolve_model(args) -> None:
+    """``args.model`` from wherever the command takes it (errors.ModelArgumentError says where)."""
+    from wcache.errors import ModelArgumentError as E
+
+    if args.command == "serve":
+        if args.model and args.model_flag and args.model != args.model_flag:
+            raise E(E.SERVE_TWICE.format(positional=args.model, flag=args.model_flag))
+        args.model = args.model or args.model_flag
+        if not args.model:
+            raise E(E.SERVE_MISSING)
+    elif args.command == "preload":
+        if args.model_positional is not None:
+            raise E(E.PRELOAD_POSITIONAL.format(positional=args.model_positional))
+        if not args.model:
+            raise E(E.PRELOAD_MISSING)
+
+
 def cmd_make_checkpoint(args) -> int:
     t0 = time.perf_counter()
     from wcache.core.checkpoint import make_checkpoint
@@ -110,6 +127,7 @@ def _main(argv: list[str], command: str | None) -> int:
     from wcache.errors import UserError
 
     try:
+        resolve_model(args)
         if args.command == "make-checkpoint":
             return cmd_make_checkpoint(args)
         if args.command == "serve":

@@ -13,7 +13,9 @@ import argparse
 #: (wcache.daemon.launcher.READY; not imported from there, so `wcache wait` does not load the daemon's
 #: modules). Here, not in wait.py, because a module of this package imports none of its siblings.
 READY = "Weight cache daemon READY"
-DEFAULT_TIMEOUT_S = 120.0  # `wcache wait --timeout`'s default
+# `wcache wait --timeout`'s default: the ipc_cache loader's state_timeout_s (300 s, loading/config.py),
+# so a wait for an engine that waits for its daemon does not give up before the engine does.
+DEFAULT_TIMEOUT_S = 300.0
 
 # The choices of the other commands' flags live beside the code that uses them, in modules that
 # import torch (about 2 s); each add_* function imports what it needs, so `wcache wait`, which runs
@@ -139,7 +141,10 @@ def add_daemon_port_args(g) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from wcache.engine.runner import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
 
-    p.add_argument("model", help="model directory (config.json + *.safetensors)")
+    # vLLM's serve takes the model both ways: `vllm serve DIR` and `vllm serve --model DIR`.
+    p.add_argument("model", nargs="?", default=None, help="model directory (config.json + *.safetensors)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="DIR",
+                   help="the model directory as a flag, as vLLM's serve also accepts (give it once)")
     add_engine_args(p)
     add_serve_rank_args(p)
     p.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
@@ -237,7 +242,9 @@ def _seconds(text: str) -> float:
 
 def add_preload_command_args(p) -> None:
     """`wcache preload`: the model, the engine's flags (the same cache key) and the daemon's own."""
-    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--model", default=None, help="model directory (required)")
+    # Caught so that `wcache preload DIR` says how preload takes its model (cli.resolve_model).
+    p.add_argument("model_positional", nargs="?", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
     add_preload_args(p)
 

@@ -250,6 +250,9 @@ class CheckpointError(UserError):
 def read_config(model_dir: str | os.PathLike) -> dict:
     """config.json with every field the engine reads resolved (llama_config.normalize), or a refusal."""
     path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        what = "no such directory" if not Path(model_dir).exists() else "not a directory"
+        raise CheckpointError(f"Model directory {model_dir}: {what}")
     if not path.is_file():
         raise CheckpointError(f"No config.json in {model_dir}: not a model directory")
     try:

@@ -45,7 +45,7 @@ from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
-from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, ParallelConfigError
+from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
 from wcache.model import generation_config
 from wcache.model.tokenizer import Tokenizer
 
@@ -405,6 +405,9 @@ def prompt_groups(joining: list[Sequence], max_tokens: int, together: bool = Tru
 def rank_specs(args, loader_config):
     """(plan, one JSON spec per local rank of this engine) from ``wcache serve`` arguments."""
     base = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
+    derived = base.hf["max_position_embeddings"]
+    if args.max_model_len is not None and args.max_model_len > derived:  # refused before loading, as vLLM does
+        raise MaxModelLenError(MaxModelLenError.TOO_LONG.format(requested=args.max_model_len, derived=derived))
     plan = plan_engine(args, base.hf, base.device)
     draft = None
     sc = parse_speculative_config(args.speculative_config)

@@ -93,6 +93,14 @@ def request_complete(buf: bytes, max_body: int) -> bool:
     return length > max_body or len(buf) - (end + 4) >= length
 
 
+
+def answer_503(payload: dict, headers: bytes = b"") -> bytes:
+    """A whole 503 response with a JSON body, as the supervisor answers for a worker not ready yet;
+    ``headers``: more header lines, each ending in CRLF (a Retry-After)."""
+    body = json.dumps(payload).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n%s"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (headers, len(body), body))
+
 class Reception:
     def __init__(self, listener: socket.socket, limits: dict, responses: dict):
         self.listener = listener
@@ -103,6 +111,7 @@ class Reception:
         self.queue: collections.deque[Conn] = collections.deque()
         self.serving = None  # the worker that gets requests, once it is ready
         self.ever_ready = False
+        self.waiting_health: bytes | None = None  # a worker waits for the weight cache daemon (set_waiting)
         self.next_id = 0
 
     # -- the select loop's side ------------------------------------------------------------
@@ -128,6 +137,11 @@ class Reception:
                 self._dispatch(c)
 
     # -- workers ---------------------------------------------------------------------------
+    def set_waiting(self, body: dict | None) -> None:
+        """A worker's loader waits for the weight cache daemon (``body``: what its /health would say,
+        engine/loading/waiting.py), or no longer does (None): /health answers it until a worker is ready."""
+        self.waiting_health = None if body is None else answer_503(body)
+
     def worker_ready(self, worker) -> None:
         self.serving, self.ever_ready = worker, True
         while self.queue and self.serving is worker:
@@ -230,7 +244,8 @@ class Reception:
         if not self.ever_ready:  # the first worker still loads: answer as its server would
             health = bytes(c.buf).startswith((b"GET /health ", b"HEAD /health "))
             self.conns.pop(c.sock.fileno(), None)
-            self._answer_and_close(c.sock, self.responses["health_loading" if health else "loading"])
+            answer = (self.waiting_health or self.responses["health_loading"]) if health else self.responses["loading"]
+            self._answer_and_close(c.sock, answer)
             return
         c.state = QUEUED
         if self.serving is None:

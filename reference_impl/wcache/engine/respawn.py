@@ -53,7 +53,7 @@ from wcache import logs
 from wcache.core import metrics, no_dump  # the standard library only (prometheus_client is the workers')
 from wcache.engine import handoff
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
-from wcache.engine.reception import Reception
+from wcache.engine.reception import Reception, answer_503
 from wcache.errors import RespawnError
 
 log = logging.getLogger("wcache.respawn")
@@ -305,6 +305,9 @@ class RespawnSupervisor:
         w.signal(signal.SIGKILL)  # a stopped process dies of SIGKILL too; reaped below as a crash
 
     def _on_event(self, w: Worker, event: dict) -> None:
+        if event.get("event") == "waiting":  # its loader waits for the weight cache daemon, or no longer
+            self.reception.set_waiting(event.get("health"))
+            return
         if event.get("event") != "ready" or w is not self.serving:
             return  # "spare" is logged by the spare itself
         w.ready_at = time.monotonic()
@@ -433,9 +436,7 @@ def front_door(args) -> dict:
     limits["max_connections"] = working + limits.get("max_waiting_connections", 0)
 
     def render(payload: dict, retry: bytes = b"") -> str:
-        body = json.dumps(payload).encode()
-        return handoff.encode(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n%s"
-                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (retry, len(body), body))
+        return handoff.encode(answer_503(payload, retry))
 
     return {"limits": limits, "responses": {
         "busy": render(api.error_body(503, BUSY_MESSAGE.format(max=working)),

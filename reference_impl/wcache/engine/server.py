@@ -32,6 +32,7 @@ from urllib.parse import unquote
 from wcache.core.stop_flag import StopFlag
 from wcache.engine import chat, fanout, http_front
 from wcache.engine import openai_api as api
+from wcache.engine.loading import waiting
 from wcache.engine.served import ServedModel
 from wcache.engine.access_log import CLIENT_CLOSED
 from wcache.engine.client_gone import PeerWatch
@@ -58,6 +59,8 @@ _LENGTH = re.compile(r"[0-9]{1,12}")  # no sign, no spaces, no 5000-digit number
 # Every route, with what it answers (docs/serve-reference.md's endpoint table is generated from it).
 ROUTES = {
     ("GET", "/health"): '503 `{"status": "loading"}` while the weights load, then 200 `{"status": "ok"}`; 503 '
+                        '`{"status": "waiting_for_weight_cache", "socket", "reason", "timeout_s", "waited_s"}` while '
+                        'an ipc_cache engine with `"fallback": false` waits for its daemon; 503 '
                         '`{"status": "draining"}` from a SIGTERM on; answered apart from completions (the health lane)',
     ("HEAD", "/health"): "the same status and headers as `GET /health`, without the body",
     ("GET", "/version"): '`{"version", "commit", "torch", "device"}`: wcache\'s version, the git commit when run '
@@ -154,8 +157,8 @@ class _Handler(FrontDoorHandler):
                 self.send_json(503, {"status": "draining"})
             elif server.ready:
                 self.send_json(200, {"status": "ok"})
-            else:
-                self.send_json(503, {"status": "loading"})
+            else:  # with "fallback": false, the loader may be waiting for the daemon (loading/waiting.py)
+                self.send_json(503, waiting.health_body() or {"status": "loading"})
         elif self.path == "/version":
             engine = server.engine if server.ready else None
             self.send_json(200, version_body(engine.cfg.device if engine is not None else None))

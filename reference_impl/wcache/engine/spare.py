@@ -36,6 +36,7 @@ from wcache import logs  # noqa: E402
 from wcache.core import no_dump  # noqa: E402
 from wcache.engine.engine import run_serve  # noqa: E402
 from wcache.engine.loading import registry  # noqa: E402,F401  (every loader: disk, ipc_cache and their modules)
+from wcache.engine.loading import waiting as cache_wait  # noqa: E402
 from wcache.engine.loading.config import parse_loader_config  # noqa: E402
 from wcache.engine.loading.lease import CacheLease  # noqa: E402,F401
 from wcache.engine.handed import HandedConnections  # noqa: E402
@@ -200,6 +201,8 @@ def main() -> int:
     seconds = time.monotonic() - T0
     waiting = select.select([control], [], [], 0)[0]
     log.info((PROMOTED_AT_ONCE if waiting else SPARE_READY).format(pid=os.getpid(), seconds=seconds, cuda=cuda))
+    # The supervisor answers /health until a worker is ready: it says "waiting" as this one's would.
+    cache_wait.subscribe(lambda body: tell(status, event="waiting", health=body))
     try:
         runner, fields = prepare(args, at_once=bool(waiting))
     except UserError as e:  # a configuration error: the promotion reports it as a plain start would

@@ -24,7 +24,9 @@ class PythonWorker:
         r, w = os.pipe()
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER)], cwd=cwd, env={**env, "DOCS_RUNNER_REPLY_FD": str(w)},
+                [sys.executable, str(WORKER)], cwd=cwd,
+                # The blocks' files go beside the worker's output, the runner's, not in the page's TMPDIR.
+                env={**env, "DOCS_RUNNER_REPLY_FD": str(w), "DOCS_RUNNER_FILES": str(self.log.parent)},
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(w,),
                 start_new_session=True, text=True,
             )

@@ -39,7 +39,7 @@ def main() -> int:
     from pytest_examples.run_code import run_code
 
     reply = os.fdopen(int(os.environ.pop("DOCS_RUNNER_REPLY_FD")), "w")
-    files = Path(tempfile.mkdtemp(prefix="docs-py-"))
+    files = Path(tempfile.mkdtemp(prefix="docs-py-", dir=os.environ.pop("DOCS_RUNNER_FILES", None)))
     module_globals: dict = {}
     for line in sys.stdin:
         req = json.loads(line)

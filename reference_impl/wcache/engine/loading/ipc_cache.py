@@ -43,6 +43,7 @@ from wcache.engine.loading.base import LoadedWeights, LoadReport, WeightLoader
 from wcache.engine.loading.client import CacheClient
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.disk import DiskLoader
+from wcache.engine.loading import waiting
 from wcache.engine.loading.lease import CacheLease
 from wcache.model.quant import refuse_for_cache
 from wcache.errors import (
@@ -105,22 +106,28 @@ class IpcCacheLoader(WeightLoader):
         phases: dict = {}
         deadline = time.monotonic() + lc.state_timeout_s
         waited = False
-        while True:
-            try:
-                path = resolve_socket_path(cfg, lc, self.draft)
-                weights, lease, release = self._attempt(cfg, key, path, phases)
-                return weights, lease, phases, release
-            except CacheUnusable as e:
-                if lc.fallback:
-                    raise
-                if e.kind not in errors.RETRYABLE:
-                    raise errors.WeightCacheError(str(e)) from None
-                if time.monotonic() >= deadline:
-                    raise errors.WeightCacheTimeoutError(lc.state_timeout_s, str(e)) from None
-                if not waited:
-                    log.info(errors.WAITING.format(timeout=lc.state_timeout_s))
-                    waited = True
-                time.sleep(RETRY_INTERVAL_S)
+        try:
+            while True:
+                path = None
+                try:
+                    path = resolve_socket_path(cfg, lc, self.draft)
+                    weights, lease, release = self._attempt(cfg, key, path, phases)
+                    return weights, lease, phases, release
+                except CacheUnusable as e:
+                    if lc.fallback:
+                        raise
+                    if e.kind not in errors.RETRYABLE:
+                        raise errors.WeightCacheError(str(e)) from None
+                    if time.monotonic() >= deadline:
+                        raise errors.WeightCacheTimeoutError(lc.state_timeout_s, str(e)) from None
+                    # /health says so (before the log line, which a reader may wait for first)
+                    waiting.set_waiting(None if path is None else str(path), str(e), lc.state_timeout_s)
+                    if not waited:
+                        log.info(errors.WAITING.format(timeout=lc.state_timeout_s))
+                        waited = True
+                    time.sleep(RETRY_INTERVAL_S)
+        finally:
+            waiting.clear()
 
     # -- one attempt, step by step; ``phases`` receives the seconds of each (the bench prints them)
     def _attempt(self, cfg: EngineConfig, key: dict, path: Path, phases: dict):
