@@ -55,6 +55,7 @@ PRESETS: dict[str, Preset] = {
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTIZATIONS = ("none", "fp8")  # what make-checkpoint writes: fp8 = transformers' block-wise layout
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -150,6 +151,7 @@ def make_checkpoint(
     limit = max_shard_bytes or p.max_shard_bytes
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    token_ids = checkpoint_tokenizer.write(out, p.vocab_size, p.max_position_embeddings)
     cfg = hf_config(p, tie_embeddings, dtype)
     shapes = tensor_shapes(cfg)
     torch_dtype = DTYPES[dtype]
@@ -178,6 +180,11 @@ def make_checkpoint(
             if n.endswith("_scale_inv"):
                 continue  # written with its weight
             t = random_tensor(seed, n, shapes[n], torch_dtype)
+            if n in VOCAB_ROWS:
+                # Rows past the tokenizer's ids are zeros, as a padded vocabulary's are never chosen in a
+                # trained model: their logit 0 loses to the largest of the others, so a random model
+                # answers with tokens that have text.
+                t[token_ids:] = 0
             if block is not None and is_quantized_linear(n):
                 made[n], made[n + "_scale_inv"] = fp8.quantize_blockwise(t, (block, block))
             else:
@@ -220,7 +227,6 @@ def make_checkpoint(
     elif index.exists():
         index.unlink()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    checkpoint_tokenizer.write(out, p.vocab_size, p.max_position_embeddings)
     return out
 
 
