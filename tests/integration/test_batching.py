@@ -22,7 +22,6 @@ from wcache.core.config import EngineConfig
 from wcache.engine.engine import STREAM_BUFFER_TOKENS, Engine
 from wcache.engine.runner import EngineOptions
 from wcache.errors import QUEUE_FULL, STREAM_OVERFLOW
-import prompt_ids as tokenizer
 from wcache.model.llama import Linear
 
 NO_TUNE = ("--no-enable-autotune",)
@@ -75,7 +74,7 @@ def test_a_bfloat16_cpu_engine_pads_its_rows_to_sizes_built_before_it_is_ready(e
 
 
 def test_prompt_token_ids_are_used_as_they_are(engine):
-    ids = tokenizer.encode("Token ids")
+    ids = engine.tokenizer.encode("Token ids")  # the checkpoint's own tokenizer, as a client would send them
     assert engine.generate(ids, 12).token_ids == engine.generate("Token ids", 12).token_ids
 
 
@@ -125,7 +124,9 @@ def test_a_slow_reader_is_ended_at_its_buffer_limit_and_the_others_keep_pace(eng
         assert engine.num_requests_running() == 0  # the slow one was ended: its slot is free
         release.set()
         slow.join(60)
-    assert all(c.finish_reason == "length" and len(c.token_ids) == 300 for c in fast), fast_s
+    # Each ran to its end: 300 tokens, or the checkpoint's EOS.
+    assert all((c.finish_reason, len(c.token_ids)) == ("length", 300) or (c.finish_reason, c.token_ids[-1]) ==
+               ("stop", *engine.stop_ids) for c in fast), fast_s
     c = slow_result["c"]
     # It had taken the few tokens of its first piece before it blocked; then the buffer filled.
     assert c.finish_reason == "abort" and STREAM_BUFFER_TOKENS < len(c.token_ids) <= STREAM_BUFFER_TOKENS + 4
@@ -155,7 +156,8 @@ def test_a_short_request_starts_at_the_next_step_while_long_ones_run(procs, tiny
     the next step: its time to first token is a few steps, and it ends long before any long one."""
     engine = procs.serve(tiny16, *NO_TUNE)
     longs = []
-    threads = [threading.Thread(target=lambda: longs.append(stream_times(engine.port, "A long one", 480)))
+    # "A long request": its greedy answer reaches no EOS in 480 tokens (tiny, its tokenizer.json).
+    threads = [threading.Thread(target=lambda: longs.append(stream_times(engine.port, "A long request", 480)))
                for _ in range(20)]
     for t in threads:
         t.start()
