@@ -40,6 +40,9 @@ class Preset:
     # presets use 32, their head_dim, so that a block never straddles a head: k and v have 64 rows
     # (fused q/k/v lines up on the block grid) and 32 per rank at tensor-parallel size 2.
     fp8_block: int = 128
+    # "llama", or "qwen3" (Qwen3ForCausalLM: q_norm and k_norm in every layer, head_dim given).
+    model_type: str = "llama"
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
 
 PRESETS: dict[str, Preset] = {
@@ -51,6 +54,11 @@ PRESETS: dict[str, Preset] = {
     "llama-8b": Preset(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, 5 << 30),
     # 1,667 narrow layers: 10,005 post-processed tensors (about 650 MB), for the per-tensor cost.
     "tensors-10k": Preset(128, 384, 1667, 4, 2, 512, 512, 10000.0, 1 << 30, fp8_block=32),
+    # Qwen3ForCausalLM, as tiny: a few MB, two shards, for CPU tests and the GPU tier's quick runs.
+    "qwen3-tiny": Preset(128, 384, 4, 4, 2, 512, 512, 1000000.0, 1 << 20, fp8_block=32, model_type="qwen3",
+                         head_dim=32),
+    # The shapes of Qwen3-8B (its FP8 sibling, Qwen3-8B-FP8, is block-wise 128x128): about 16 GB in bf16.
+    "qwen3-8b": Preset(4096, 12288, 36, 32, 8, 151936, 40960, 1000000.0, 5 << 30, model_type="qwen3", head_dim=128),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -70,9 +78,9 @@ def is_quantized_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
 
 def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    cfg = {
+        "architectures": [llama_config.ARCHITECTURES[preset.model_type]],
+        "model_type": preset.model_type,
         "hidden_size": preset.hidden_size,
         "intermediate_size": preset.intermediate_size,
         "num_hidden_layers": preset.num_hidden_layers,
@@ -88,6 +96,11 @@ def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
         "bos_token_id": checkpoint_tokenizer.BOS_ID,
         "eos_token_id": checkpoint_tokenizer.EOS_ID,
     }
+    if preset.head_dim is not None:
+        cfg["head_dim"] = preset.head_dim
+    if preset.model_type == "qwen3":  # as Qwen3Config writes them
+        cfg.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    return cfg
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -103,6 +116,8 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if cfg["model_type"] == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
