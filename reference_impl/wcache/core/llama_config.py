@@ -148,8 +148,9 @@ def normalize(raw: dict, path) -> dict:
 # Everything refused, each with one change to a valid config.json that shows it: the guide's table
 # (tools/doc_tables.py runs `refusal` on each) and tests/integration/test_checkpoint_refusals.py.
 REFUSED = {
-    "architectures": ("anything but `[\"LlamaForCausalLM\"]`", {"architectures": ["MistralForCausalLM"]}),
-    "model_type": ("anything but `\"llama\"`", {"model_type": "mistral"}),
+    "architectures": ("anything but `[\"LlamaForCausalLM\"]` (`[\"Qwen3ForCausalLM\"]` for `qwen3`)",
+                      {"architectures": ["MistralForCausalLM"]}),
+    "model_type": ("anything but `\"llama\"` or `\"qwen3\"`", {"model_type": "mistral"}),
     "attention_bias": ("`true`", {"attention_bias": True}),
     "mlp_bias": ("`true`", {"mlp_bias": True}),
     "sliding_window": ("set (not `null`), unless `use_sliding_window` is `false`", {"sliding_window": 4096}),
