@@ -332,7 +332,7 @@ class UnsupportedCheckpointError(UserError):
 
 # -- the engine's HTTP API (engine/openai_api.py, engine/http_front.py, engine/server.py) ---------------
 # vLLM's texts (vllm/entrypoints/openai): an unknown model, and a chat request to a model whose
-# tokenizer has no chat template (ours, a byte-level tokenizer, has none).
+# tokenizer has no chat template.
 MODEL_NOT_FOUND = "The model `{model}` does not exist."
 NO_CHAT_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide "
                     "a chat template if the tokenizer does not define one. Start wcache serve with --chat-template "
@@ -419,5 +419,3 @@ GENERATION_CONFIG_EOS = "{path}: eos_token_id must be a token id or a list of to
 TEXT_WITHOUT_TOKENIZER = ("You cannot pass text prompts when `skip_tokenizer_init` is True: this server was "
                           "started with --skip-tokenizer-init, so send 'prompt' as token ids")
 STOP_WITHOUT_TOKENIZER = "'stop' strings need the tokenizer: this server was started with --skip-tokenizer-init"
-TOKENIZER_TOO_LARGE = ("The tokenizer of {source} has ids up to {max_id}, past the model's vocabulary "
-                       "(vocab_size {vocab_size} in config.json): give the model's own tokenizer")
