@@ -309,8 +309,8 @@ class UnsupportedCheckpointError(UserError):
     TEMPLATE = "Unsupported checkpoint {path}: {field} is {value}; {why}"
     # Why each field (or kind of value) is refused; docs/configuration.md's table is generated from it.
     WHY = {
-        "architectures": "wcache serves LlamaForCausalLM and Qwen3ForCausalLM only",
-        "model_type": "wcache serves model_type llama and qwen3 only",
+        "architectures": "wcache serves LlamaForCausalLM, Qwen3ForCausalLM and Qwen2ForCausalLM only",
+        "model_type": "wcache serves model_type llama, qwen3 and qwen2 only",
         "attention_bias": "wcache's attention projections have no bias",
         "mlp_bias": "wcache's MLP projections have no bias",
         "sliding_window": "wcache computes full causal attention, not a sliding window",

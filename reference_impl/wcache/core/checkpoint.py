@@ -40,7 +40,8 @@ class Preset:
     # presets use 32, their head_dim, so that a block never straddles a head: k and v have 64 rows
     # (fused q/k/v lines up on the block grid) and 32 per rank at tensor-parallel size 2.
     fp8_block: int = 128
-    # "llama", or "qwen3" (Qwen3ForCausalLM: q_norm and k_norm in every layer, head_dim given).
+    # "llama", "qwen3" (Qwen3ForCausalLM: q_norm and k_norm in every layer, head_dim given) or "qwen2"
+    # (Qwen2ForCausalLM: q, k and v biases).
     model_type: str = "llama"
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
@@ -57,6 +58,8 @@ PRESETS: dict[str, Preset] = {
     # Qwen3ForCausalLM, as tiny: a few MB, two shards, for CPU tests and the GPU tier's quick runs.
     "qwen3-tiny": Preset(128, 384, 4, 4, 2, 512, 512, 1000000.0, 1 << 20, fp8_block=32, model_type="qwen3",
                          head_dim=32),
+    # Qwen2ForCausalLM, as tiny.
+    "qwen2-tiny": Preset(128, 384, 4, 4, 2, 512, 512, 1000000.0, 1 << 20, fp8_block=32, model_type="qwen2"),
     # The shapes of Qwen3-8B (its FP8 sibling, Qwen3-8B-FP8, is block-wise 128x128): about 16 GB in bf16.
     "qwen3-8b": Preset(4096, 12288, 36, 32, 8, 151936, 40960, 1000000.0, 5 << 30, model_type="qwen3", head_dim=128),
 }
@@ -75,7 +78,7 @@ def fp8_quantization_config(block: int) -> dict:
 
 
 def is_quantized_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
+    return name.startswith("model.layers.") and name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
 
 def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
     cfg = {
@@ -98,8 +101,10 @@ def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
     }
     if preset.head_dim is not None:
         cfg["head_dim"] = preset.head_dim
-    if preset.model_type == "qwen3":  # as Qwen3Config writes them
-        cfg.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if preset.model_type in ("qwen3", "qwen2"):  # as Qwen3Config and Qwen2Config write them
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if preset.model_type == "qwen3":
+        cfg["attention_bias"] = False
     return cfg
 
 
@@ -118,6 +123,9 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         if cfg["model_type"] == "qwen3":
             shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        if cfg["model_type"] == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)

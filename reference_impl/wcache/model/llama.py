@@ -45,6 +45,7 @@ class ModelShape:
     pp_size: int = 1
     pp_rank: int = 0
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head, before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
 
     @classmethod
     def from_config(cls, cfg: dict, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0) -> ModelShape:
@@ -65,6 +66,7 @@ class ModelShape:
             pp_size=pp_size,
             pp_rank=pp_rank,
             qk_norm=bool(cfg.get("qk_norm")),
+            qkv_bias=bool(cfg.get("qkv_bias")),
         )
 
     @property
@@ -172,10 +174,14 @@ class Attention(nn.Module):
         if s.qk_norm:  # Qwen3: one gain of head_dim, shared by every head (so not split over ranks)
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
+        if s.qkv_bias:  # Qwen2: this rank's q, k and v biases, fused as the projection is (unquantized)
+            self.register_buffer("qkv_bias", torch.empty((self.heads + 2 * self.kv_heads) * s.head_dim, dtype=dtype))
 
     def heads_of(self, qkv: torch.Tensor, rows: tuple[int, ...]):
         """q, k, v of a fused projection as heads, (*rows, heads, head_dim); Qwen3 normalizes each
-        query and key head here, before RoPE, as Qwen3Attention does."""
+        query and key head here, before RoPE, as Qwen3Attention does; Qwen2 adds its biases first."""
+        if "qkv_bias" in self._buffers:
+            qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                              self.kv_heads * self.head_dim], dim=-1)
         q, k = q.view(*rows, self.heads, self.head_dim), k.view(*rows, self.kv_heads, self.head_dim)
