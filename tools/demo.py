@@ -7,7 +7,7 @@ Two models, each served from disk, then by an engine restarted on the weight cac
    (tools/sentence_model.py); it completes the sentence, the same text from disk and from the cache;
 2. the ratio: the ``small`` preset (Llama shapes, about 470 MiB of seeded random weights: big enough
    that reading and post-processing it takes a visible time); its answer is arbitrary tokens
-   (the tokenizer shows ids it gives no text as ``<id>``), the same from both engines, and the
+   (the tokenizer's pieces of words in no order), the same from both engines, and the
    weight load times of both engines (from their own log lines) and their ratio.
 
 Everything lives in one temporary directory, removed at the end, on failure and on Ctrl-C too: the
@@ -166,7 +166,8 @@ def ratio(work: Path, maker: subprocess.Popen) -> None:
     model = work / PRESET
     size = sum(p.stat().st_size for p in model.iterdir()) / 2**20
     print(f"the {PRESET} preset: Llama layers with seeded random weights, {size:.0f} MiB; random weights answer with "
-          "arbitrary tokens (ids without text show as <id>): what matters is that both engines give the same ones")
+          "arbitrary tokens (pieces of words, and bytes shown as U+FFFD): what matters is that both engines give "
+          "the same ones")
 
     def show(title: str, s: Served) -> None:
         print(f"  {title}: {s}")

@@ -3,8 +3,10 @@
 `make demo` serves it so its first answer is words, not the arbitrary tokens of the random presets:
 greedy decoding of ``PROMPT`` gives the rest of ``SENTENCE``. The model is the Llama architecture
 the engine serves (RMSNorm, rotary positions from wcache.model.rope, grouped-query attention, SwiGLU)
-in float32, with the byte tokenizer's ids; the checkpoint is written in the Hugging Face layout the
-engine reads (names and shapes from wcache.core.checkpoint), so nothing about it is special-cased.
+in float32, on the ids of make-checkpoint's tokenizer (a byte-level BPE, wcache.core.checkpoint_tokenizer,
+at this model's vocabulary size); the checkpoint is written in the Hugging Face layout the engine
+reads (names and shapes from wcache.core.checkpoint, and that tokenizer's files), so nothing about it
+is special-cased.
 Seeded and deterministic on one machine; on another the bytes may differ in the last bits, the
 answer does not (training stops only once every next byte wins by a wide margin).
 
@@ -22,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from wcache.core import checkpoint_tokenizer
 from wcache.core.checkpoint import Preset, hf_config, tensor_shapes
-from wcache.model import rope, tokenizer
+from wcache.model import rope
 
 # README.md says this sentence (tests/integration/test_demo.py checks it does).
 SENTENCE = "The weight cache keeps a model's weights in memory, so a restarted engine maps them instead of " \
@@ -32,7 +35,7 @@ PROMPT = "The weight cache keeps"
 SHAPE = Preset(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rope_theta=10000.0,
                max_shard_bytes=1 << 30)
-MARGIN = 4.0  # logits: the right byte must beat every other by this much at every position
+MARGIN = 4.0  # logits: the right token must beat every other by this much at every position
 MAX_STEPS = 600
 
 
@@ -80,11 +83,16 @@ def forward(w: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor) -> torch.T
 
 
 def train(cfg: dict, seed: int = 0) -> tuple[dict[str, torch.Tensor], int]:
-    """Weights that predict every next byte of BOS + SENTENCE + EOS by MARGIN; and the steps taken."""
+    """Weights that predict every next token of BOS + SENTENCE + EOS by MARGIN; and the steps taken."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small: a second thread only contends (19 s against 5 s here)
     w = init(cfg, seed)
-    ids = torch.tensor([*tokenizer.encode(SENTENCE), tokenizer.EOS_ID])
+    tok = checkpoint_tokenizer.train(cfg["vocab_size"])
+    sentence = tok.encode(SENTENCE).ids
+    # The prompt's tokens begin the sentence's (it ends at a word boundary), so the engine's
+    # encoding of PROMPT continues into the rest of the sentence.
+    assert sentence[:len(tok.encode(PROMPT).ids)] == tok.encode(PROMPT).ids
+    ids = torch.tensor([*sentence, checkpoint_tokenizer.EOS_ID])
     inputs, targets = ids[:-1], ids[1:]
     opt = torch.optim.Adam(w.values(), lr=1e-2)
     for step in range(1, MAX_STEPS + 1):
@@ -102,13 +110,15 @@ def train(cfg: dict, seed: int = 0) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def write(out_dir: str | Path, seed: int = 0) -> tuple[Path, int]:
-    """Train and write config.json + model.safetensors; returns the directory and the steps taken."""
+    """Train and write config.json, model.safetensors and the tokenizer's files; returns the directory
+    and the steps taken."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(SHAPE, tie_embeddings=False, dtype="float32")
     weights, steps = train(cfg, seed)
     save_file({n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    checkpoint_tokenizer.write(out, SHAPE.vocab_size, SHAPE.max_position_embeddings)
     return out, steps
 
 

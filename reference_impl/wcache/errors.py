@@ -328,8 +328,8 @@ class UnsupportedCheckpointError(UserError):
     TEMPLATE = "Unsupported checkpoint {path}: {field} is {value}; {why}"
     # Why each field (or kind of value) is refused; docs/configuration.md's table is generated from it.
     WHY = {
-        "architectures": "wcache serves LlamaForCausalLM only",
-        "model_type": "wcache serves model_type llama only",
+        "architectures": "wcache serves LlamaForCausalLM, Qwen3ForCausalLM and Qwen2ForCausalLM only",
+        "model_type": "wcache serves model_type llama, qwen3 and qwen2 only",
         "attention_bias": "wcache's attention projections have no bias",
         "mlp_bias": "wcache's MLP projections have no bias",
         "sliding_window": "wcache computes full causal attention, not a sliding window",
@@ -351,7 +351,7 @@ class UnsupportedCheckpointError(UserError):
 
 # -- the engine's HTTP API (engine/openai_api.py, engine/http_front.py, engine/server.py) ---------------
 # vLLM's texts (vllm/entrypoints/openai): an unknown model, and a chat request to a model whose
-# tokenizer has no chat template (ours, a byte-level tokenizer, has none).
+# tokenizer has no chat template.
 MODEL_NOT_FOUND = "The model `{model}` does not exist."
 NO_CHAT_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide "
                     "a chat template if the tokenizer does not define one. Start wcache serve with --chat-template "
@@ -438,8 +438,6 @@ GENERATION_CONFIG_EOS = "{path}: eos_token_id must be a token id or a list of to
 TEXT_WITHOUT_TOKENIZER = ("You cannot pass text prompts when `skip_tokenizer_init` is True: this server was "
                           "started with --skip-tokenizer-init, so send 'prompt' as token ids")
 STOP_WITHOUT_TOKENIZER = "'stop' strings need the tokenizer: this server was started with --skip-tokenizer-init"
-TOKENIZER_TOO_LARGE = ("The tokenizer of {source} has ids up to {max_id}, past the model's vocabulary "
-                       "(vocab_size {vocab_size} in config.json): give the model's own tokenizer")
 
 
 class FreeMemoryError(UserError):

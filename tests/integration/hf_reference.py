@@ -1,9 +1,10 @@
-"""Write Llama checkpoints with the transformers library itself, and its answers on them.
+"""Write Llama and Qwen3 checkpoints with the transformers library itself, and its answers on them.
 
 Run as ``python hf_reference.py SPEC.json``, under whichever transformers major is importable (the
 venv's 5.x, or 4.x by putting a second install first on PYTHONPATH). SPEC is a list of
 ``{"name", "config", "dtype", "max_shard_size", "seed", "init_std", "text", "max_tokens",
-"eos_id", "out"}``. For each entry it builds ``LlamaForCausalLM(LlamaConfig(**config))`` with seeded
+"eos_id", "out"}``. For each entry it builds the model of ``config``'s ``model_type`` (default ``llama``:
+``LlamaForCausalLM(LlamaConfig(**config))``; ``qwen3``: ``Qwen3ForCausalLM``) with seeded
 random weights and a fast tokenizer (make-checkpoint's byte-level BPE, trained with ``tokenizers``,
 wrapped in ``PreTrainedTokenizerFast`` with BOS, EOS and a chat template), saves both with
 ``save_pretrained(out/"model", ...)`` exactly as a user would, loads that directory back with
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from wcache.core.checkpoint_tokenizer import BOS_TEXT, CHAT_TEMPLATE, EOS_TEXT, train
 
@@ -43,8 +44,9 @@ def write(entry: dict) -> Path:
     out = Path(entry["out"])
     model_dir = out / "model"
     torch.manual_seed(entry.get("seed", 0))
-    config = LlamaConfig(**entry["config"])
-    model = LlamaForCausalLM(config)
+    fields = dict(entry["config"])
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    model = AutoModelForCausalLM.from_config(config)
     std = entry.get("init_std")
     if std:  # wider than transformers' initializer_range, so greedy choices are clear-cut
         with torch.no_grad():
@@ -66,7 +68,7 @@ def reference(model_dir: Path, entry: dict, dtype: torch.dtype) -> dict:
         from transformers import FineGrainedFP8Config
 
         extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
-    model = LlamaForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype), **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype), **extra).eval()
     ids = AutoTokenizer.from_pretrained(model_dir)(entry["text"])["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
@@ -90,7 +92,7 @@ def stop_early(model_dir: Path, entry: dict, greedy: list[int]) -> dict:
     config.eos_token_id = [entry["eos_id"], stop]
     config.save_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.float32)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.float32)).eval()
     ids = tok(entry["text"])["input_ids"]
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

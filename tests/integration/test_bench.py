@@ -49,8 +49,8 @@ def test_bench_json_has_seconds_and_ratios(small_record, small_model):
     assert ratios["disk_over_zero_copy"] == pytest.approx(s["disk"] / s["zero_copy"], rel=0.01, abs=0.01)
     assert ratios["disk_over_copy"] == pytest.approx(s["disk"] / s["copy"], rel=0.01, abs=0.01)
     assert ratios["key_restart_over_disk"] == pytest.approx(s["key_restart"] / s["disk"], rel=0.01, abs=1e-4)
-    total = sum(p.stat().st_size for p in small_model.iterdir()
-                if p.name not in ("model.safetensors.index.json", "tokenizer_config.json"))  # shards + config.json
+    total = sum(p.stat().st_size for p in small_model.iterdir()  # shards + config.json: the weights' key
+                if p.name.endswith(".safetensors") or p.name == "config.json")
     assert r["key_first_sight_bytes_hashed"] == total  # the first sight hashes every byte
     # The restart a user lives through: a real engine process to /health 200, split into phases.
     e = r["engine_start"]

@@ -23,8 +23,9 @@ from wcache.core.config import EngineConfig
 from wcache.core.llama_config import REFUSED, example
 
 EXPECTED = {
-    "architectures": 'architectures is ["MistralForCausalLM"]; wcache serves LlamaForCausalLM only',
-    "model_type": 'model_type is "mistral"; wcache serves model_type llama only',
+    "architectures": ('architectures is ["MistralForCausalLM"]; wcache serves LlamaForCausalLM, Qwen3ForCausalLM '
+                      'and Qwen2ForCausalLM only'),
+    "model_type": 'model_type is "mistral"; wcache serves model_type llama, qwen3 and qwen2 only',
     "attention_bias": "attention_bias is true; wcache's attention projections have no bias",
     "mlp_bias": "mlp_bias is true; wcache's MLP projections have no bias",
     "sliding_window": "sliding_window is 4096; wcache computes full causal attention, not a sliding window",

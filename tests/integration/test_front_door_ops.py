@@ -95,7 +95,7 @@ def test_a_valid_request_id_is_echoed_and_logged(engine):
         assert time.monotonic() < deadline, engine.log()[-2000:]
         time.sleep(0.05)
     [line] = mine
-    assert re.search(rf"request {re.escape(rid)} POST /v1/completions 200 prompt_tokens=6 generation_tokens=3 "
+    assert re.search(rf"request {re.escape(rid)} POST /v1/completions 200 prompt_tokens=4 generation_tokens=3 "
                      r"ttft_ms=\d+\.\d total_ms=\d+\.\d$", line), line
 
 

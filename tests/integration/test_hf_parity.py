@@ -73,6 +73,20 @@ CASES = {
     "tf5-bfloat16": {
         "writer": 5, "dtype": "bfloat16", "compute_dtypes": ["float32", "bfloat16"],
         "config": {**BASE, "num_key_value_heads": 1}},
+    # transformers 5: Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim 32 given), tied embeddings, GQA.
+    "tf5-qwen3-tied": {
+        "writer": 5, "dtype": "float32",
+        "config": {**BASE, "model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 32,
+                   "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}},
+    # transformers 4.x: Qwen3ForCausalLM in bfloat16, sharded, untied, top-level rope_theta.
+    "tf4-qwen3-bfloat16-sharded": {
+        "writer": 4, "dtype": "bfloat16", "compute_dtypes": ["float32", "bfloat16"], "max_shard_size": "40KB",
+        "config": {**BASE, "model_type": "qwen3", "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 1e6}},
+    # transformers 5: Qwen2ForCausalLM (q, k and v biases), GQA, sharded.
+    "tf5-qwen2-sharded": {
+        "writer": 5, "dtype": "float32", "max_shard_size": "40KB",
+        "config": {**BASE, "model_type": "qwen2", "num_key_value_heads": 2,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}},
     # transformers 4.x: top-level rope_theta, rope_scaling llama3, GQA, sharded.
     "tf4-gqa-llama3-sharded": {
         "writer": 4, "dtype": "float32", "max_shard_size": "40KB",
@@ -113,8 +127,9 @@ def written(tmp_path_factory) -> dict[str, Path]:
                  "out": str(tmp / name), "stop_early": case.get("served", True)}
         by_major[case["writer"]].append(entry)
     # The reverse direction: wcache's presets, read by transformers 5 in float32.
-    for name, tie in (("wcache-tiny", False), ("wcache-tiny-tied", True)):
-        model = make_checkpoint(tmp / name / "model", "tiny", tie_embeddings=tie)
+    for name, preset, tie in (("wcache-tiny", "tiny", False), ("wcache-tiny-tied", "tiny", True),
+                              ("wcache-qwen3-tiny", "qwen3-tiny", False), ("wcache-qwen2-tiny", "qwen2-tiny", False)):
+        model = make_checkpoint(tmp / name / "model", preset, tie_embeddings=tie)
         by_major[5].append({**common, "load": str(model), "out": str(tmp / name)})
     writers = [start_writer(by_major[5], tmp, 5)] + ([] if tf4_missing() else [start_writer(by_major[4], tmp, 4)])
     for w in writers:  # side by side: each spends seconds importing its transformers
@@ -232,7 +247,8 @@ def test_served_from_disk_and_from_the_cache_like_transformers(name, written, se
         assert_close(logits, torch.tensor(reference(case_dir, "bfloat16")["logits"]), TOLERANCE["bfloat16"])
 
 
-@pytest.mark.parametrize("name", ["wcache-tiny", "wcache-tiny-tied", "tf4-linear-legacy-type"])
+@pytest.mark.parametrize("name", ["wcache-tiny", "wcache-tiny-tied", "wcache-qwen3-tiny", "wcache-qwen2-tiny",
+                                  "tf4-linear-legacy-type"])
 def test_computed_like_transformers_in_this_process(name, written):
     """wcache's presets read by transformers (the reverse direction), and the cases not served."""
     if name.startswith("tf4") and tf4_missing():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from prompt_ids import preset_encode
 
 from wcache.core.checkpoint import make_checkpoint
 
@@ -53,7 +54,8 @@ def test_completion(greedy, model):
     [choice] = greedy.choices
     assert greedy.object == "text_completion" and greedy.model == model and greedy.id.startswith("cmpl-")
     assert choice.finish_reason in ("length", "stop") and isinstance(choice.text, str) and choice.text
-    assert greedy.usage.prompt_tokens == 6 and greedy.usage.completion_tokens == len(choice.token_ids)
+    assert greedy.usage.prompt_tokens == len(preset_encode("Hello")) == 4  # BOS, H, el, lo
+    assert greedy.usage.completion_tokens == len(choice.token_ids)
 
 
 def test_temperature_0_is_the_greedy_output(client, model, greedy):
@@ -123,7 +125,7 @@ REFUSED = {  # name: (keyword arguments, the field the message names)
     "top_p > 1": (dict(top_p=1.5), "'top_p' must be a number in (0, 1], got 1.5"),
     "seed < 0": (dict(seed=-1), "'seed' must be an integer"),
     "stop of 5": (dict(stop=["a", "b", "c", "d", "e"]), "'stop' must be a string or a list of at most 4"),
-    "max_tokens too many": (dict(max_tokens=MAX_MODEL_LEN), "'max_tokens' must be between 1 and 58"),
+    "max_tokens too many": (dict(max_tokens=MAX_MODEL_LEN), f"'max_tokens' must be between 1 and {MAX_MODEL_LEN - 4}"),
 }
 
 
@@ -145,7 +147,7 @@ def test_an_unknown_model_is_not_found_with_vllms_message(client):
 
 
 def test_lists_of_prompts_and_token_ids_as_vllm_takes_them(client, model, greedy):
-    ids = [256, *b"Hello"]  # BOS + the bytes: the tokens "Hello" is
+    ids = preset_encode("Hello")  # the tokens "Hello" is, in the checkpoint's tokenizer.json
     for prompt in (ids, [ids]):
         c = client.completions.create(model=model, prompt=prompt, max_tokens=24)
         assert [ch.text for ch in c.choices] == [greedy.choices[0].text] and c.usage == greedy.usage
@@ -155,7 +157,7 @@ def test_lists_of_prompts_and_token_ids_as_vllm_takes_them(client, model, greedy
     assert many.choices[1].text != greedy.choices[0].text
     hi = client.completions.create(model=model, prompt="Hi", max_tokens=24)
     assert many.choices[1].text == hi.choices[0].text
-    assert many.usage.prompt_tokens == 6 + 3 + 6 and many.usage.completion_tokens == sum(
+    assert many.usage.prompt_tokens == 4 + 3 + 4 and many.usage.completion_tokens == sum(
         len(ch.token_ids) for ch in many.choices)
     chunks = list(client.completions.create(model=model, prompt=["Hello", "Hi"], max_tokens=24, stream=True))
     by_index = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}

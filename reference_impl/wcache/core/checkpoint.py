@@ -41,6 +41,10 @@ class Preset:
     # presets use 32, their head_dim, so that a block never straddles a head: k and v have 64 rows
     # (fused q/k/v lines up on the block grid) and 32 per rank at tensor-parallel size 2.
     fp8_block: int = 128
+    # "llama", "qwen3" (Qwen3ForCausalLM: q_norm and k_norm in every layer, head_dim given) or "qwen2"
+    # (Qwen2ForCausalLM: q, k and v biases).
+    model_type: str = "llama"
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
 
 PRESETS: dict[str, Preset] = {
@@ -52,10 +56,18 @@ PRESETS: dict[str, Preset] = {
     "llama-8b": Preset(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, 5 << 30),
     # 1,667 narrow layers: 10,005 post-processed tensors (about 650 MB), for the per-tensor cost.
     "tensors-10k": Preset(128, 384, 1667, 4, 2, 512, 512, 10000.0, 1 << 30, fp8_block=32),
+    # Qwen3ForCausalLM, as tiny: a few MB, two shards, for CPU tests and the GPU tier's quick runs.
+    "qwen3-tiny": Preset(128, 384, 4, 4, 2, 512, 512, 1000000.0, 1 << 20, fp8_block=32, model_type="qwen3",
+                         head_dim=32),
+    # Qwen2ForCausalLM, as tiny.
+    "qwen2-tiny": Preset(128, 384, 4, 4, 2, 512, 512, 1000000.0, 1 << 20, fp8_block=32, model_type="qwen2"),
+    # The shapes of Qwen3-8B (its FP8 sibling, Qwen3-8B-FP8, is block-wise 128x128): about 16 GB in bf16.
+    "qwen3-8b": Preset(4096, 12288, 36, 32, 8, 151936, 40960, 1000000.0, 5 << 30, model_type="qwen3", head_dim=128),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTIZATIONS = ("none", "fp8")  # what make-checkpoint writes: fp8 = transformers' block-wise layout
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -77,12 +89,12 @@ def check_block_served(cfg: dict, block: int) -> None:
 
 
 def is_quantized_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
+    return name.startswith("model.layers.") and name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
 
 def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    cfg = {
+        "architectures": [llama_config.ARCHITECTURES[preset.model_type]],
+        "model_type": preset.model_type,
         "hidden_size": preset.hidden_size,
         "intermediate_size": preset.intermediate_size,
         "num_hidden_layers": preset.num_hidden_layers,
@@ -98,6 +110,13 @@ def hf_config(preset: Preset, tie_embeddings: bool, dtype: str) -> dict:
         "bos_token_id": checkpoint_tokenizer.BOS_ID,
         "eos_token_id": checkpoint_tokenizer.EOS_ID,
     }
+    if preset.head_dim is not None:
+        cfg["head_dim"] = preset.head_dim
+    if preset.model_type in ("qwen3", "qwen2"):  # as Qwen3Config and Qwen2Config write them
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if preset.model_type == "qwen3":
+        cfg["attention_bias"] = False
+    return cfg
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -113,6 +132,11 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if cfg["model_type"] == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        if cfg["model_type"] == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
@@ -189,6 +213,11 @@ def make_checkpoint(
             if n.endswith("_scale_inv"):
                 continue  # written with its weight
             t = random_tensor(seed, n, shapes[n], torch_dtype)
+            if n in VOCAB_ROWS:
+                # Rows past the tokenizer's ids are zeros, as a padded vocabulary's are never chosen in a
+                # trained model: their logit 0 loses to the largest of the others, so a random model
+                # answers with tokens that have text.
+                t[token_ids:] = 0
             if block is not None and is_quantized_linear(n):
                 made[n], made[n + "_scale_inv"] = fp8.quantize_blockwise(t, (block, block))
             else:
@@ -196,6 +225,7 @@ def make_checkpoint(
         return made
 
     out.mkdir(parents=True, exist_ok=True)  # after every refusal: a refused call leaves nothing behind
+    token_ids = checkpoint_tokenizer.write(out, p.vocab_size, p.max_position_embeddings)
     # Plan shards first (by byte size, in checkpoint order) so file names carry the shard count; a
     # weight and its scale share a shard.
     shards: list[list[str]] = [[]]
@@ -232,7 +262,6 @@ def make_checkpoint(
     elif index.exists():
         index.unlink()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    checkpoint_tokenizer.write(out, p.vocab_size, p.max_position_embeddings)
     return out
 
 

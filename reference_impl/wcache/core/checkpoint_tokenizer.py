@@ -57,10 +57,11 @@ def tokenizer_config(model_max_length: int) -> dict:
             "model_max_length": model_max_length, "chat_template": CHAT_TEMPLATE}
 
 
-def write(out: Path, vocab_size: int, model_max_length: int) -> list[str]:
-    """Write the three files into ``out``; their names."""
-    train(vocab_size).save(str(out / "tokenizer.json"))
+def write(out: Path, vocab_size: int, model_max_length: int) -> int:
+    """Write the three files into ``out``; the number of ids the tokenizer has (up to ``vocab_size``)."""
+    tok = train(vocab_size)
+    tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
     generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    return tok.get_vocab_size()

@@ -19,6 +19,11 @@ import json
 from wcache.errors import UnsupportedCheckpointError
 
 ARCHITECTURE = "LlamaForCausalLM"
+# model_type -> the one architecture of it served. Qwen3 is Llama's layers with an RMSNorm of each
+# query and key head before RoPE (q_norm, k_norm), and head_dim 128 unless config.json says; Qwen2
+# is Llama's layers with biases on the q, k and v projections (always: its config has no field).
+ARCHITECTURES = {"llama": ARCHITECTURE, "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+QWEN3_HEAD_DIM = 128
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 # transformers' ACT2FN maps both names to SiLU.
@@ -107,10 +112,10 @@ def auto_dtype(cfg: dict, path, stored) -> str:
 
 def normalize(raw: dict, path) -> dict:
     """The config with every field the engine reads resolved under its 5.x name, or a refusal."""
-    if raw.get("model_type") != "llama":
+    if raw.get("model_type") not in ARCHITECTURES:
         raise UnsupportedCheckpointError(path, "model_type", show(raw.get("model_type")), "model_type")
     archs = raw.get("architectures")
-    if archs is not None and archs != [ARCHITECTURE]:
+    if archs is not None and archs != [ARCHITECTURES[raw["model_type"]]]:
         raise UnsupportedCheckpointError(path, "architectures", show(archs), "architectures")
     for key in REQUIRED:
         _positive_int(raw, key, path)
@@ -132,7 +137,9 @@ def normalize(raw: dict, path) -> dict:
         raise UnsupportedCheckpointError(path, "num_key_value_heads", show(cfg["num_key_value_heads"]),
                                          "num_key_value_heads")
     if cfg.get("head_dim") is None:
-        cfg["head_dim"] = raw["hidden_size"] // heads
+        cfg["head_dim"] = QWEN3_HEAD_DIM if raw["model_type"] == "qwen3" else raw["hidden_size"] // heads
+    cfg["qk_norm"] = raw["model_type"] == "qwen3"
+    cfg["qkv_bias"] = raw["model_type"] == "qwen2"
     if _positive_int(cfg, "head_dim", path) % 2:
         raise UnsupportedCheckpointError(path, "head_dim", show(cfg["head_dim"]), "head_dim")
     _positive_int(cfg, "max_position_embeddings", path)
@@ -143,8 +150,9 @@ def normalize(raw: dict, path) -> dict:
 # Everything refused, each with one change to a valid config.json that shows it: the guide's table
 # (tools/doc_tables.py runs `refusal` on each) and tests/integration/test_checkpoint_refusals.py.
 REFUSED = {
-    "architectures": ("anything but `[\"LlamaForCausalLM\"]`", {"architectures": ["MistralForCausalLM"]}),
-    "model_type": ("anything but `\"llama\"`", {"model_type": "mistral"}),
+    "architectures": ("anything but `[\"LlamaForCausalLM\"]` (for `qwen3` and `qwen2`, their own)",
+                      {"architectures": ["MistralForCausalLM"]}),
+    "model_type": ("anything but `\"llama\"`, `\"qwen3\"` or `\"qwen2\"`", {"model_type": "mistral"}),
     "attention_bias": ("`true`", {"attention_bias": True}),
     "mlp_bias": ("`true`", {"mlp_bias": True}),
     "sliding_window": ("set (not `null`), unless `use_sliding_window` is `false`", {"sliding_window": 4096}),

@@ -39,6 +39,8 @@ def fused_gate_up(gate, up, rank: int, size: int) -> torch.Tensor:
 # Heads are contiguous rows, so a row block of each of q, k and v is a block of whole heads; the
 # attention output and MLP down projections are split along their input channels instead.
 ROW_PARALLEL = ("attn.o", "mlp.down")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head gains: the same names in the checkpoint and the model
+QKV = ("q_proj", "k_proj", "v_proj")  # Qwen2's biased projections
 
 
 @dataclass
@@ -75,6 +77,8 @@ def needed_checkpoint_names(s: ModelShape, quant: QuantMethod | None = None) -> 
     for n in s.layer_range:
         p = f"model.layers.{n}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{norm}.weight" for norm in QK_NORMS] if s.qk_norm else []
+        names += [p + f"self_attn.{proj}.bias" for proj in QKV] if s.qkv_bias else []
         for fused, parts in HF_PARTS.items():
             hf = [p + part for part in parts]
             leaves = quant.for_linear(hf).checkpoint_leaves()
@@ -127,6 +131,11 @@ def postprocess(
         p = f"model.layers.{n}."
         out[f"layers.{n}.attn_norm.weight"] = plain(p + "input_layernorm.weight")
         out[f"layers.{n}.mlp_norm.weight"] = plain(p + "post_attention_layernorm.weight")
+        for norm in QK_NORMS if s.qk_norm else ():
+            out[f"layers.{n}.attn.{norm}.weight"] = plain(p + f"self_attn.{norm}.weight")
+        if s.qkv_bias:  # each of q, k and v sliced for this rank (heads are rows), then fused
+            out[f"layers.{n}.attn.qkv_bias"] = fused_qkv(*(plain(p + f"self_attn.{proj}.bias") for proj in QKV),
+                                                         tp_rank, tp)
         for fused, parts in HF_PARTS.items():
             linear(f"layers.{n}.{fused}", [p + part for part in parts], row_parallel=fused in ROW_PARALLEL)
     if s.last_stage:

@@ -44,6 +44,8 @@ class ModelShape:
     tp_size: int = 1
     pp_size: int = 1
     pp_rank: int = 0
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head, before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
 
     @classmethod
     def from_config(cls, cfg: dict, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0) -> ModelShape:
@@ -63,6 +65,8 @@ class ModelShape:
             tp_size=tp_size,
             pp_size=pp_size,
             pp_rank=pp_rank,
+            qk_norm=bool(cfg.get("qk_norm")),
+            qkv_bias=bool(cfg.get("qkv_bias")),
         )
 
     @property
@@ -181,15 +185,29 @@ class Attention(nn.Module):
         self.qkv = Linear(s.hidden_size, (self.heads + 2 * self.kv_heads) * s.head_dim, quant, dtype)
         self.o = Linear(self.heads * s.head_dim, s.hidden_size, quant, dtype)
         self.all_reduce = _identity
+        if s.qk_norm:  # Qwen3: one gain of head_dim, shared by every head (so not split over ranks)
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
+        if s.qkv_bias:  # Qwen2: this rank's q, k and v biases, fused as the projection is (unquantized)
+            self.register_buffer("qkv_bias", torch.empty((self.heads + 2 * self.kv_heads) * s.head_dim, dtype=dtype))
+
+    def heads_of(self, qkv: torch.Tensor, rows: tuple[int, ...]):
+        """q, k, v of a fused projection as heads, (*rows, heads, head_dim); Qwen3 normalizes each
+        query and key head here, before RoPE, as Qwen3Attention does; Qwen2 adds its biases first."""
+        if "qkv_bias" in self._buffers:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        q, k = q.view(*rows, self.heads, self.head_dim), k.view(*rows, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(*rows, self.kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: Batch) -> torch.Tensor:
         B, T = batch.size, batch.tokens  # x: (B*T, hidden), the batch's rows one after the other
-        q, k, v = self.qkv(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
-        )
-        q = rope.apply(q.view(B, T, self.heads, self.head_dim), cos, sin)  # (B, T, heads, head_dim)
-        k = rope.apply(k.view(B, T, self.kv_heads, self.head_dim), cos, sin)  # (B, T, kv_heads, head_dim)
-        v = v.view(B, T, self.kv_heads, self.head_dim)
+        q, k, v = self.heads_of(self.qkv(x), (B, T))
+        q = rope.apply(q, cos, sin)  # (B, T, heads, head_dim)
+        k = rope.apply(k, cos, sin)  # (B, T, kv_heads, head_dim)
         # Each row writes its new keys and values at its own positions of its own cache slot.
         if batch.groups is not None:  # CPU, one new token per row: padded keys, one call per padded length
             cache_k[batch.slot_index, batch.positions] = k  # (B, 1) slots x (B, 1) positions: one write
@@ -247,13 +265,10 @@ class Attention(nn.Module):
     def decode(self, x, cos, sin, cache_k, cache_v, tile: Tile) -> torch.Tensor:
         """One new token for every slot of a tile (GPU decoding, see Tile): x (rows, hidden)."""
         n, group = tile.rows, self.heads // self.kv_heads
-        q, k, v = self.qkv(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
-        )
-        q = rope.apply(q.view(n, 1, self.heads, self.head_dim), cos, sin)
-        k = rope.apply(k.view(n, 1, self.kv_heads, self.head_dim), cos, sin)
+        q, k, v = self.heads_of(self.qkv(x), (n, 1))
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         cache_k[tile.slot_index, tile.positions] = k[:, 0]
-        cache_v[tile.slot_index, tile.positions] = v.view(n, self.kv_heads, self.head_dim)
+        cache_v[tile.slot_index, tile.positions] = v[:, 0]
         # The query heads that share a key head are stacked as that head's queries (head h reads key
         # head h // group): (rows, kv_heads, group, head_dim). Every operand then has kv_heads heads, so
         # the masked call runs a fused kernel instead of copying the keys once per query head.

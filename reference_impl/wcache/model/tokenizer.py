@@ -80,11 +80,6 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
 
-    @property
-    def max_id(self) -> int:
-        """The largest id this tokenizer may produce (its added tokens included)."""
-        return self.backend.get_vocab_size(with_added_tokens=True) - 1
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s ids; ``add_special_tokens`` adds what the post-processor adds (BOS, as a rule).
         Special tokens written in the text (``<s>`` in a rendered chat prompt) become their ids."""
