@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+import prompt_ids
 import pytest
 import torch
 from batching_requests import REQUESTS, together
@@ -186,7 +187,7 @@ def test_a_request_joins_the_running_batch_at_the_next_step(engine):
         waited = []
         for i in range(5):
             log = []
-            seq = Sequence(tokenizer.encode(f"Short {i}"), 4, Sampler(SamplingParams()), tokenizer.EOS_ID,
+            seq = Sequence(prompt_ids.encode(f"Short {i}"), 4, Sampler(SamplingParams()), engine.stop_ids,
                            outbox=StepMarks(engine, log))
             assert engine.num_requests_running() >= 4  # long ones decode (one may meet its EOS)
             engine.scheduler.add(seq)
@@ -222,8 +223,8 @@ def test_a_prompt_pass_samples_every_first_token_before_handing_any_on(engine):
     The break it catches: the pass's first tokens sampled and handed one by one (18034d1's
     ``for seq, row in zip(group, logits): self._emit(seq, [seq.sampler.pick(row)])``)."""
     log, added = [], threading.Event()
-    seqs = [Sequence(tokenizer.encode(f"Prompt {i}"), 1, PickMarks(SamplingParams(1.0, 1.0, 7 + i), log),
-                     tokenizer.EOS_ID, outbox=StepMarks(engine, log)) for i in range(8)]
+    seqs = [Sequence(prompt_ids.encode(f"Prompt {i}"), 1, PickMarks(SamplingParams(1.0, 1.0, 7 + i), log),
+                     engine.stop_ids, outbox=StepMarks(engine, log)) for i in range(8)]
     assert len({len(s.prompt) for s in seqs}) == 1
     engine.scheduler.wait_arrived = lambda timeout: added.wait(timeout)  # as a burst: all in one step
     try:

@@ -49,8 +49,8 @@ def test_zero_copy_counts_the_daemons_weights_once_and_sizes_the_kv_cache(procs,
     n = p["kv_tokens"]
     assert f"Max model length 512 lowered to {n}" in log
     status, body = http("POST", f"http://127.0.0.1:{engine.port}/v1/completions", {"prompt": "Hello", "max_tokens": n})
-    assert status == 400 and f"(max model length {n}, prompt 6 tokens)" in body["error"]["message"]
-    assert complete(engine.port, "Hello", n - 6)["usage"]["total_tokens"] == n
+    assert status == 400 and f"(max model length {n}, prompt 4 tokens)" in body["error"]["message"]
+    assert complete(engine.port, "Hello", n - 4)["usage"]["total_tokens"] == n
 
     # The daemon's weights alone exceed 0.9 x 1 MiB: the engine refuses to start, the daemon serves on.
     small = procs.serve(tiny_model, "--load-format", "ipc_cache", "--no-enable-autotune",
