@@ -12,7 +12,6 @@ shows must be listed below for that page, with where it comes from:
 * ``Shown(page, pattern)``: what a block of a page prints, a block the docs tests run;
 * ``Stated(why)``: not a measurement: a setting or limit the page tells the reader to use, a
   hardware fact, or another project's figure cited with its source;
-* ``Owned(why)``: a figure another issue is replacing; it names the issue, to be gone at its merge.
 
 So a figure typed into a page, or one changed by hand (x32.07 to x52.07), is a figure with no
 source and fails here, and a record that changes fails the figure that quotes it.
@@ -90,11 +89,6 @@ class Stated:
     why: str
 
 
-@dataclass(frozen=True)
-class Owned:
-    why: str
-
-
 # -- renderers ----------------------------------------------------------------------------------------
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:g} ms"
@@ -149,9 +143,8 @@ def _respawn_total(d: dict) -> str:  # the engine under --respawn: serving worke
     return gib(m["serving_rss_bytes"] + m["spare_rss_bytes"] + m["supervisor_rss_bytes"])
 
 
+ATTACK_ROUND = "what the outside attack round at f4ffa20 measured, as issue [sec-3] reports it; the attack is a test now"
 SETTINGS = "a setting, limit or timeout the page tells the reader to use or the code applies, not a measurement"
-UX2 = ("issue ux-2 (serve-reference.md's batching paragraphs) adds a record for this figure or removes it; "
-       "until that merge it has none")
 
 
 def _frame_limit() -> str:
@@ -251,9 +244,8 @@ PAGES: dict[str, dict[str, object]] = {
     },
     "serve-reference.md": {
         "20 ms": Code(lambda: same(_fresh_connection(), _arrival_wait())),
-        "40 ms": Owned(UX2),
-        "20-23 ms": Owned(UX2),
-        "6-9 ms": Owned(UX2),
+        **{f: Stated(SETTINGS) for f in ("5 s", "512 MiB")},
+        "17.7 s": Stated(ATTACK_ROUND),
     },
     "respawn.md": {
         "10 s": Code(_stable),  # and the kubelet's crash back-off, which starts at 10 s too
@@ -305,6 +297,7 @@ PAGES: dict[str, dict[str, object]] = {
         "16 MiB": Code(_frame_limit),
         **{f: Stated(SETTINGS + " (tests/docs/test_facts.py checks the daemon's bounds)")
            for f in ("64 MiB", "128 KiB", "128 MiB")},
+        "512 MiB": Stated(SETTINGS),
     },
     "how-it-works.md": {"16 MiB": Code(_frame_limit)},
     "differences-from-vllm.md": {"16 MiB": Code(_frame_limit)},
@@ -315,13 +308,16 @@ PAGES: dict[str, dict[str, object]] = {
         "1.75 MiB": Shown("memory.md", r"Weights are held outside this process: ([\d.]+ MiB) by the weight cache daemon; "
                                        r"budget 0\.5 x 8\.00 MiB = 4\.00 MiB = own weights 0 B \+ external weights 1\.7"),
         **{f: Stated(SETTINGS + ", or the arithmetic of a worked example")
-           for f in ("1 KiB", "128 MiB", "128 KiB", "64 GiB", "16 GB", "8 MiB", "10%")},
+           for f in ("1 KiB", "128 MiB", "128 KiB", "64 GiB", "16 GB", "8 MiB", "10%", "2 MiB")},
     },
     "lifecycle.md": {f: Stated(SETTINGS) for f in ("16 MiB", "64 MiB", "512 MiB", "0.3 s")},
-    "faults.md": {f: Stated(SETTINGS) for f in ("64 KiB", "0.2 s", "60 s", "50 ms", "1 s", "10 s", "16 MiB",
-                                                "128 MiB", "5 s", "30 s")},
+    "faults.md": {**{f: Stated(SETTINGS) for f in ("64 KiB", "0.2 s", "60 s", "50 ms", "1 s", "10 s", "16 MiB",
+                                                   "128 MiB", "5 s", "30 s", "512 MiB")},
+                  **{f: Stated(ATTACK_ROUND) for f in ("1 GB", "10x", "40 s")}},
+    "seeding-replicas.md": {f: Stated(SETTINGS) for f in ("1 MiB", "10 s", "2 s", "30 s", "64 MiB")},
+    "troubleshooting.md": {f: Stated(SETTINGS) for f in ("100 MB", "512 MiB")},
     "autotune.md": {f: Stated(SETTINGS) for f in ("5%", "60 s", "64 KiB", "0.2 s", "10 s")},
-    "contributing.md": {f: Stated(SETTINGS) for f in ("120 s", "10 s", "300 s")},
+    "contributing.md": {f: Stated(SETTINGS) for f in ("10 s", "300 s")},
     "monitoring.md": {"2 s": Stated("an example alert's threshold, which the page says to set from your model")},
     # Every phase's figure is another project's, cited with its link in the row (checked by
     # tests/docs/test_guide_agrees.py::test_what_a_restart_still_costs_sources_every_figure).
