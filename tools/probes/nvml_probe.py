@@ -12,26 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu.device_usage import process_tree as tree  # tests/gpu/device_usage.py
 from procs import Processes, private_env
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.process_memory import processes_on_device
-
-
-def tree(root: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(p.name))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        out.add(pid)
-        todo += kids.get(pid, [])
-    return out
 
 
 def main() -> None:
