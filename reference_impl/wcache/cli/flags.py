@@ -196,7 +196,8 @@ def add_api_args(p) -> None:
                         "$VLLM_API_KEY; the variable keeps the key out of ps)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory of the tokenizer (tokenizer.json, tokenizer_config.json) when it is not the "
-                        "model directory's")
+                        "model directory's; the chat template comes from there too (chat_template.jinja, else "
+                        "tokenizer_config.json's), unless --chat-template gives one")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and completions carry no text (their "
                         "token ids are counted in usage)")
