@@ -468,13 +468,15 @@ CHECKPOINT_UNUSABLE = "Checkpoint {model} is not usable: {why}"
 # seed is served: the replica loads its own shards (SEED_WEIGHTS_FALLBACK) or, without shards, exits 2
 # (SEED_WEIGHTS_FATAL).
 SEED_WEIGHTS_REASONS = {
-    "unreachable": "Cannot reach the weight cache seed at {address}: {error}",
-    "token": "The weight cache seed at {address} rejected the token (--weight-cache-seed-token must match the seed's)",
+    "unreachable": "Cannot reach the weight cache seed at {address} for the weights: {error}",
+    "token": ("The weight cache seed at {address} rejected the token for the weights (--weight-cache-seed-token must "
+              "match the seed's)"),
     "mismatch": "The weight cache seed at {address} holds weights of another cache key (fields: {fields})",
     "released": "The weight cache seed at {address} has released its weights (an engine copied them and asked)",
-    "rate_limited": "The weight cache seed at {address} refuses this host for now: too many bad tokens",
+    "rate_limited": ("The weight cache seed at {address} refuses this host's weight requests for now: too many bad "
+                     "tokens"),
     "busy": "The weight cache seed at {address} is busy: {detail}",
-    "protocol": "Bad reply from the weight cache seed at {address}: {detail}",
+    "protocol": "Bad reply from the weight cache seed at {address} while seeding weights: {detail}",
     "oversize": "The weight cache seed at {address} offers {size} bytes for a layout that needs {needed}",
     "stalled": "The weight cache seed at {address} sent nothing for {seconds:g} s ({got} of {size} bytes received)",
     "closed": "The weight cache seed at {address} closed the connection after {got} of {size} bytes",
