@@ -231,11 +231,11 @@ def test_a_refusal_waits_while_a_dead_processs_memory_comes_back():
         def sleep(s):
             t[0] += s
 
-        def check(free):
+        def refuse_below_10_gib(free):
             if free < 10 * GiB:
                 raise FreeMemoryError(f"{free}")
         try:
-            memory.settle_free(lambda: next(reads), check, clock=lambda: t[0], sleep=sleep)
+            memory.settle_free(lambda: next(reads), refuse_below_10_gib, clock=lambda: t[0], sleep=sleep)
             return "ok", t[0]
         except FreeMemoryError:
             return "refused", t[0]
