@@ -197,7 +197,7 @@ def test_the_pod_runs_as_two_containers_that_share_only_the_volumes(docker_image
         try:
             r = broken.run(init, detach=False)
             assert r.returncode == 1, r.stdout + r.stderr
-            assert f"Checkpoint /models/llama is not usable: {shard.name} is" in r.stderr, r.stderr
+            assert f"Checkpoint /models/llama is not usable: {shard.name}: the file is" in r.stderr, r.stderr
         finally:
             broken.remove()
 
