@@ -9,7 +9,8 @@ securityContext), read-only root filesystem, dropped capabilities, no privilege 
 memory limit. Volumes: an emptyDir is a host directory made as the kubelet makes one for a pod with
 an fsGroup (root, group fsGroup, mode 2777); the checkpoint's claim is the test's model directory,
 read-only. What Docker cannot take from the spec: the GPU claim (CI has no GPU) and the probes,
-which the test applies itself.
+which the test applies itself. A Secret the spec names (env valueFrom secretKeyRef) comes from
+`secrets`, keyed (secret name, key), as `kubectl create secret` would have made it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PodRun:
     name: str
     containers: list[str] = field(default_factory=list)
     dirs: dict[str, Path] = field(default_factory=dict)
+    secrets: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def spec(self) -> dict:
@@ -87,7 +89,7 @@ class PodRun:
         if "memory" in limits:
             out += ["--memory", _memory(limits["memory"])]
         for e in c.get("env", []):
-            out += ["-e", f"{e['name']}={e['value']}"]
+            out += ["-e", f"{e['name']}={self.env_value(e)}"]
         for m in c.get("volumeMounts", []):
             host, ro = self.volume(volumes[m["name"]])
             out += ["-v", f"{host}:{m['mountPath']}{':ro' if ro or m.get('readOnly') else ''}"]
@@ -97,6 +99,14 @@ class PodRun:
         else:
             out.append(self.image)
         return out + list(c.get("args", []))
+
+    def env_value(self, e: dict) -> str:
+        """An env entry's value: written in the spec, or taken from a Secret the test created."""
+        if "value" in e:
+            return e["value"]
+        ref = e["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) in self.secrets, f"the spec needs secret {ref}; the test gave none"
+        return self.secrets[ref["name"], ref["key"]]
 
     def run(self, c: dict, detach: bool = True, restart: bool = False, timeout: float = 120):
         self.containers.append(f"{self.name}-{c['name']}")

@@ -157,8 +157,10 @@ def test_same_command_lines_as_the_compose_file_that_ci_runs():
 
 HEALTH = ("import sys, urllib.request\ntry:\n    print(urllib.request.urlopen('http://127.0.0.1:' + sys.argv[1] + '/health', timeout=3).status)\n"
           "except Exception as e:\n    print(e)")
+API_KEY = "pod-test-key"  # the Secret wcache-api-key's value, as `kubectl create secret` would hold it
 COMPLETE = ("import json, urllib.request\nreq = urllib.request.Request('http://127.0.0.1:8000/v1/completions', "
-            "data=json.dumps({'prompt': 'Hello', 'max_tokens': 8}).encode(), headers={'Content-Type': 'application/json'})\n"
+            "data=json.dumps({'prompt': 'Hello', 'max_tokens': 8}).encode(), headers={'Content-Type': 'application/json', "
+            f"'Authorization': 'Bearer {API_KEY}'}})\n"
             "print(json.dumps(json.load(urllib.request.urlopen(req, timeout=60))['choices'][0]['token_ids']))")
 
 
@@ -176,7 +178,8 @@ def test_the_pod_runs_as_two_containers_that_share_only_the_volumes(docker_image
     from podrun import PodRun
 
     pod = docs()["Pod"]
-    run = PodRun(pod, docker_image, docker_model, unique("wcp"))
+    secrets = {("wcache-api-key", "key"): API_KEY}
+    run = PodRun(pod, docker_image, docker_model, unique("wcp"), secrets=secrets)
     init, daemon = pod["spec"]["initContainers"]
     (engine,) = pod["spec"]["containers"]
     uid = pod["spec"]["securityContext"]["runAsUser"]
@@ -192,7 +195,7 @@ def test_the_pod_runs_as_two_containers_that_share_only_the_volumes(docker_image
         shard.write_bytes(shard.read_bytes()[:-10])
         for p in [bad, *bad.iterdir()]:
             p.chmod(0o755 if p.is_dir() else 0o644)
-        broken = PodRun(pod, docker_image, bad, run.name + "-bad")
+        broken = PodRun(pod, docker_image, bad, run.name + "-bad", secrets=secrets)
         broken.start_pause()
         try:
             r = broken.run(init, detach=False)
