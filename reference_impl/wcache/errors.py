@@ -398,6 +398,34 @@ SEED = "'seed' must be an integer from 0 to 2**63-1, got {value}"
 STOP = "'stop' must be a string or a list of at most 4 non-empty strings"
 STREAM = "'stream' must be true or false"
 STREAM_OPTIONS = "'stream_options' must be an object with 'include_usage' (true or false), and only with 'stream': true"
+# vLLM's sampling parameters beyond temperature and top_p (engine/sampling_fields.py), in vLLM's words
+# where vLLM has them (its SamplingParams and OpenAI protocol validators).
+NUMBER_FIELD = "'{field}' must be a number, got {value}"
+INTEGER_FIELD = "'{field}' must be an integer, got {value}"
+TOP_K = "top_k must be 0 (disable), or at least 1, got {value}."
+MIN_P = "min_p must be in [0, 1], got {value}."
+PRESENCE_PENALTY = "presence_penalty must be in [-2, 2], got {value}."
+FREQUENCY_PENALTY = "frequency_penalty must be in [-2, 2], got {value}."
+REPETITION_PENALTY = "repetition_penalty must be greater than zero, got {value}."
+MIN_TOKENS = "min_tokens must be greater than or equal to 0, got {value}."
+MIN_TOKENS_OVER_MAX = "min_tokens must be less than or equal to max_tokens={max_tokens}, got {value}."
+N_RANGE = "n must be at least 1, got {value}."
+N_TOO_MANY = ("'n' of {n} for {prompts} prompt(s) asks for {total} choices; wcache serve makes at most {max} in "
+              "one request")
+LOGPROBS_NEGATIVE = "`logprobs` must be a positive value."
+TOP_LOGPROBS_NEGATIVE = "`top_logprobs` must be a positive value or -1."
+TOP_LOGPROBS_WITHOUT_LOGPROBS = "when using `top_logprobs`, `logprobs` must be set to true."
+PROMPT_LOGPROBS_NEGATIVE = "`prompt_logprobs` must be a positive value or -1."
+PROMPT_LOGPROBS_STREAM = "`prompt_logprobs` are not available when `stream=True`."
+LOGPROBS_TOO_MANY = "Requested sample logprobs of {n}, which is greater than max allowed: {max}"
+PROMPT_LOGPROBS_TOO_MANY = "Requested prompt logprobs of {n}, which is greater than max allowed: {max}"
+LOGIT_BIAS_SHAPE = "'logit_bias' must be an object mapping token ids to numbers"
+LOGIT_BIAS_KEY = ("Found token_id `{key}` in logit_bias but token_id must be an integer or string representing an "
+                  "integer")
+LOGIT_BIAS_VOCAB = ("token_id(s) {ids} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}")
+STOP_TOKEN_IDS = "'stop_token_ids' must be a list of token ids"
+DRAFT_SAMPLING_FIELD = ("'{field}' is not available on this engine: with --speculative-config it decodes greedily "
+                        "(draft then verify), from logits no setting changes")
 SAMPLING_WITH_DRAFT = ("'temperature' must be 0 on this engine: with --speculative-config it decodes greedily "
                        "(draft then verify)")
 BUSY_MESSAGE = "The server is handling {max} connections; retry shortly"

@@ -211,9 +211,9 @@ class PickMarks(Sampler):
         super().__init__(params)
         self.log = log
 
-    def pick(self, logits):
+    def sample(self, logits):  # what pick_rows calls for a row that is not plain greedy
         self.log.append(("pick", self, None))
-        return super().pick(logits)
+        return super().sample(logits)
 
 
 def test_a_prompt_pass_samples_every_first_token_before_handing_any_on(engine):

@@ -100,11 +100,15 @@ def test_text_parts_are_joined_as_vllm_joins_them(client):
 
 
 REFUSED = {  # name: (keyword arguments, what the message says)
-    "n=2": (dict(n=2), "'n' is not supported by wcache serve: one choice per request"),
+    "n=0": (dict(n=0), "n must be at least 1, got 0."),
+    "top_logprobs without logprobs": (dict(top_logprobs=2), "when using `top_logprobs`, `logprobs` must be set to true."),
+    "top_logprobs=21": (dict(logprobs=True, top_logprobs=21),
+                        "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    "top_logprobs<0": (dict(logprobs=True, top_logprobs=-2), "`top_logprobs` must be a positive value or -1."),
+    "presence_penalty=3": (dict(presence_penalty=3), "presence_penalty must be in [-2, 2], got 3.0."),
     "tools": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
               "'tools' is not supported by wcache serve: no tool calling"),
-    "logprobs": (dict(logprobs=True), "'logprobs' is not supported"),
-    "unknown field": (dict(extra_body={"top_k": 5}), "Unknown field 'top_k'"),
+    "unknown field": (dict(extra_body={"guided_regex": "a"}), "Unknown field 'guided_regex'"),
     "request template": (dict(extra_body={"chat_template": "{{ 1 }}"}), "'chat_template' is not supported"),
     "image part": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
                    "'messages[0].content[0]' is not a text part"),

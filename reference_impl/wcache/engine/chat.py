@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from wcache.engine import openai_api as api
 from wcache.engine.chat_template import ChatTemplate, RenderError
 from wcache.engine.openai_api import ApiError, Field
+from wcache.engine import sampling_fields as fields
+from wcache.engine.logprob_answers import chat_logprobs
 from wcache.engine.sampling import SamplingParams
+from wcache.engine.sampling_fields import StopRules
 from wcache.errors import (
     BOOLEAN_FIELD, CHAT_TEMPLATE_KWARGS, CHAT_TEMPLATE_RENDER, MESSAGE_CONTENT, MESSAGE_FIELD, MESSAGE_PART,
-    MESSAGE_SHAPE, MESSAGES_REQUIRED, NO_CHAT_TEMPLATE, TEXT_WITHOUT_TOKENIZER,
+    MESSAGE_SHAPE, MESSAGES_REQUIRED, N_TOO_MANY, NO_CHAT_TEMPLATE, TEXT_WITHOUT_TOKENIZER,
 )
 from wcache.model.tokenizer import Tokenizer
 
@@ -48,12 +51,23 @@ CHAT_FIELDS: dict[str, Field] = {
                                       "tokens added (BOS, as a rule; default `false`: the template writes its own)"),
     "chat_template_kwargs": Field(True, "vLLM's: an object of extra variables for the template (not "
                                         "`messages`, `add_generation_prompt`, `bos_token` or `eos_token`)"),
-    "n": Field(False, "one choice per request", (None, 1)),
-    "logprobs": Field(False, "log-probabilities are not returned", (None, False)),
-    "top_logprobs": Field(False, "log-probabilities are not returned", (None, 0)),
+    "n": Field(True, f"choices, 1 or more (default 1, at most {api.MAX_PROMPTS}): each its own sequence in the "
+                     "batch; with a `seed`, choice j is seeded `seed + j`, as vLLM"),
+    "logprobs": Field(True, "`true`: each token's log-probability (`log_softmax` of the model's logits, before "
+                            "any sampling setting, as vLLM)"),
+    "top_logprobs": Field(True, "0 to 20, with `logprobs`: the most likely tokens' log-probabilities at each "
+                                "position too, in rank order"),
+    api.TOKEN_IDS: api.COMPLETION_FIELDS[api.TOKEN_IDS],
     "presence_penalty": api.COMPLETION_FIELDS["presence_penalty"],
     "frequency_penalty": api.COMPLETION_FIELDS["frequency_penalty"],
+    "repetition_penalty": api.COMPLETION_FIELDS["repetition_penalty"],
     "logit_bias": api.COMPLETION_FIELDS["logit_bias"],
+    "top_k": api.COMPLETION_FIELDS["top_k"],
+    "min_p": api.COMPLETION_FIELDS["min_p"],
+    "min_tokens": api.COMPLETION_FIELDS["min_tokens"],
+    "stop_token_ids": api.COMPLETION_FIELDS["stop_token_ids"],
+    "ignore_eos": api.COMPLETION_FIELDS["ignore_eos"],
+    "include_stop_str_in_output": api.COMPLETION_FIELDS["include_stop_str_in_output"],
     "response_format": Field(False, "no structured output: text only", (None, {"type": "text"})),
     "tools": Field(False, "no tool calling", (None, [])),
     "tool_choice": Field(False, "no tool calling", (None, "none")),
@@ -75,6 +89,15 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     skip_special_tokens: bool = True
+    n: int = 1
+    stop_rules: StopRules = StopRules()
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
+
+    def choice_prompts(self) -> list[list[int]]:
+        return [self.prompt] * self.n
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        return self.sampling.for_choice(index)
 
 
 def _text(content, index: int) -> str:
@@ -129,7 +152,8 @@ def _template_kwargs(req: dict) -> dict:
 
 
 def parse_chat_request(body: bytes, template: ChatTemplate | None, max_model_len: int, served=(),
-                       has_draft: bool = False, tokenizer: Tokenizer | None = None) -> ChatRequest:
+                       has_draft: bool = False, tokenizer: Tokenizer | None = None,
+                       vocab_size: int | None = None) -> ChatRequest:
     """A chat request checked as vLLM checks it: fields, then the model (404), then the template (400)."""
     req = api.parse_json_object(body)
     api.check_fields(req, CHAT_FIELDS)
@@ -154,8 +178,17 @@ def parse_chat_request(body: bytes, template: ChatTemplate | None, max_model_len
     wanted = req.get(field)
     max_tokens = api.check_max_tokens(field, max_model_len - len(ids) if wanted is None else wanted,
                                       max_model_len, len(ids))
-    return ChatRequest(ids, max_tokens, api.parse_sampling(req, has_draft), api.parse_stop(req.get("stop")),
-                       *api.parse_stream(req), api.parse_skip_special_tokens(req))
+    try:
+        n = fields.choices(req)
+        if n > api.MAX_PROMPTS:
+            raise fields.FieldError(N_TOO_MANY.format(n=n, prompts=1, total=n, max=api.MAX_PROMPTS), "n")
+        rules = fields.stop_rules(req, vocab_size)
+        sampling = api.parse_sampling(req, has_draft, vocab_size, max_tokens, fields.chat_logprobs(req, vocab_size))
+        as_ids = fields.boolean(req, api.TOKEN_IDS)
+    except fields.FieldError as e:
+        raise ApiError(400, str(e), e.field) from None
+    return ChatRequest(ids, max_tokens, sampling, api.parse_stop(req.get("stop")), *api.parse_stream(req),
+                       api.parse_skip_special_tokens(req), n, rules, as_ids)
 
 
 # -- answers ---------------------------------------------------------------------------------------
@@ -166,42 +199,53 @@ def new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def chat_body(cid: str, model: str, completion) -> dict:
+def chat_body(cid: str, model: str, completion, req: ChatRequest | None = None, tokenizer=None) -> dict:
+    """A chat completion's answer; ``completion`` is one, or a list of one per choice."""
+    done = completion if isinstance(completion, list) else [completion]
+    k = req.sampling.logprobs if req is not None else None
+    tokenizer = None if req is not None and req.tokens_as_ids else tokenizer
     return {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text, "tool_calls": []},
-                     "logprobs": None, "finish_reason": completion.finish_reason,
-                     "stop_reason": completion.stop_reason}],
-        "usage": api.usage(completion.prompt_tokens, len(completion.token_ids)),
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                     "logprobs": None if k is None else chat_logprobs(tokenizer, c.logprobs, k),
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(done)],
+        "usage": api.total_usage(done, len(done)),  # n choices of one prompt: its tokens counted once
     }
 
 
 def chunk(cid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-          stop_reason: str | None = None) -> dict:
+          stop_reason: str | int | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
     """One streamed event: the first carries the role, the next ones text, the last the finish reason."""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return {"id": cid, "object": CHUNK, "created": created, "model": model, "choices": [choice]}
 
 
 class ChatStream:
-    """A streamed chat completion's events as vLLM sends them: the role first, then a ``delta`` per
-    piece of text, the finish reason, the usage chunk if asked, ``[DONE]``."""
+    """A streamed chat completion's events as vLLM sends them: the role first (for each choice),
+    then a ``delta`` per piece of text (with logprobs, per token, its scores with it), the finish
+    reason, the usage chunk if asked, ``[DONE]``."""
 
-    def __init__(self, model: str, include_usage: bool):
+    def __init__(self, model: str, include_usage: bool, req: ChatRequest | None = None, tokenizer=None):
         self.cid, self.created, self.model, self.include_usage = new_id(), int(time.time()), model, include_usage
+        self.n = req.n if req is not None else 1
+        self.k = req.sampling.logprobs if req is not None else None
+        self.tokenizer = None if req is not None and req.tokens_as_ids else tokenizer
 
     def first(self) -> list:
-        return [chunk(self.cid, self.created, self.model, {"role": "assistant", "content": ""})]
+        return [chunk(self.cid, self.created, self.model, {"role": "assistant", "content": ""}, index=i)
+                for i in range(self.n)]
 
     def text(self, index: int, piece: str) -> list:
-        return [chunk(self.cid, self.created, self.model, {"content": piece})]
+        logprobs = None if self.k is None else chat_logprobs(self.tokenizer, piece.tokens, self.k)
+        return [chunk(self.cid, self.created, self.model, {"content": str(piece)}, index=index, logprobs=logprobs)]
 
     def done(self, index: int, completion) -> list:
-        return [chunk(self.cid, self.created, self.model, {}, completion.finish_reason, completion.stop_reason)]
+        return [chunk(self.cid, self.created, self.model, {}, completion.finish_reason, completion.stop_reason,
+                      index=index)]
 
     def last(self, completions: list) -> list:
-        usage = ([api.usage_chunk(self.cid, self.created, self.model, completions, CHUNK)]
+        usage = ([api.usage_chunk(self.cid, self.created, self.model, completions, CHUNK, self.n)]
                  if self.include_usage else [])
         return [*usage, api.DONE]

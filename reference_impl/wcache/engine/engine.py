@@ -25,6 +25,7 @@ from wcache.core.config import EngineConfig
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
+from wcache.engine.logprobs import PromptScores, Sampled, score_prompt
 from wcache.engine.loop_thread import LoopThread
 from wcache.engine.runner import (
     OP_KEEPALIVE,
@@ -43,7 +44,7 @@ from wcache.engine.sampling import (
 )
 from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
 from wcache.engine.step_clock import StepClock
-from wcache.engine.textstream import TextStream
+from wcache.engine.textstream import TextPiece, TextStream
 from wcache.engine.world import LOST_PEERS
 from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
 from wcache.model import generation_config
@@ -68,9 +69,12 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stop_reason: str | None  # the stop string that ended it (None for EOS or length, as vLLM)
+    stop_reason: str | int | None  # the stop string or stop_token_ids id that ended it (None for EOS or length)
     prompt_tokens: int
     first_token_at: float | None = None  # time.monotonic() of the first token (the metrics' time to first token)
+    logprobs: tuple[Sampled, ...] = ()  # one per token of token_ids, when the request asked for logprobs
+    prompt_logprobs: PromptScores | None = None  # when it asked for the prompt's (echo, prompt_logprobs)
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -172,13 +176,13 @@ class Engine:
 
     # -- a request's thread ---------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
-                 on_text=None, queued=None, skip_special_tokens: bool = True) -> Completion:
+                 on_text=None, queued=None, skip_special_tokens: bool = True, **stopping) -> Completion:
         """One completion. ``prompt``: text, or token ids used as they are. ``on_text(piece) -> bool``
         is told each new piece of final text as it is decoded (textstream.py), on this thread, and
         returns True to stop early (a streaming client went away): the sequence then leaves the
         batch before the next step. ``queued()`` is called once the request is in the scheduler's
-        queue. Raises ``QueueFull`` when ``--max-waiting-requests`` wait."""
-        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens)
+        queue. Raises ``QueueFull`` when ``--max-waiting-requests`` wait. ``stopping``: ``pieces``'s."""
+        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens, **stopping)
         try:
             piece = next(pieces)
             while True:
@@ -187,21 +191,34 @@ class Engine:
             return done.value
 
     def pieces(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
-               queued=None, skip_special_tokens: bool = True):
+               queued=None, skip_special_tokens: bool = True, stop_token_ids=(), ignore_eos: bool = False,
+               include_stop: bool = False):
         """``generate`` as a generator, on the caller's thread: yields each new piece of final text;
         ``send(True)`` stops the sequence at its next token, as ``close()`` does; returns the
-        Completion. A streamed response writes each piece as it comes, with no thread in between."""
+        Completion. A streamed response writes each piece as it comes, with no thread in between.
+        With logprobs asked for, every token yields a piece (TextPiece, its text possibly empty)
+        carrying its scores. vLLM's stop settings: ``stop_token_ids`` end it too (``stop_reason``
+        the id); ``ignore_eos``: only they do, not the checkpoint's EOS ids; ``include_stop``: the
+        stop string or id's text stays in the text."""
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError(TEXT_WITHOUT_TOKENIZER)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), self.stop_ids)
+        own_stops = frozenset(stop_token_ids)
+        stop_ids = own_stops if ignore_eos else self.stop_ids | own_stops
+        seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), stop_ids)
+        # min_tokens holds back every stop id, the EOS ones even with ignore_eos (vLLM's _all_stop_token_ids)
+        seq.sampler.bind(seq.prompt, seq.out, self.stop_ids | own_stops)
+        each_token = sampling.logprobs is not None
         if self.closed:
             raise RuntimeError("the engine is stopping")
         self.scheduler.add(seq)
         if queued is not None:
             queued()
-        text = TextStream(self.tokenizer.stream(skip_special_tokens) if self.tokenizer else None, stop)
+        text = TextStream(self.tokenizer.stream(skip_special_tokens) if self.tokenizer else None, stop,
+                          include_stop, sampling.min_tokens)
         out: list[int] = []
+        scores: list[Sampled] = []
+        prompt_scores = None
         gone = False
         end = None
         first_at = None
@@ -211,12 +228,19 @@ class Engine:
                 if isinstance(item, _End):
                     end = item
                     break
+                if isinstance(item, PromptScores):
+                    prompt_scores = item
+                    continue
                 if not out:
                     first_at = time.monotonic()
-                out.append(item)
-                piece = text.push(item, item in self.stop_ids)
-                if piece and not gone:
-                    gone = bool((yield piece))
+                out.append(item.id)
+                if each_token:
+                    scores.append(item)
+                piece = text.push(item.id, item.id in stop_ids)
+                if each_token and not gone:
+                    gone = bool((yield TextPiece(piece, (item,), prompt_scores if len(out) == 1 else None)))
+                elif piece and not gone:
+                    gone = bool((yield TextPiece(piece, (), prompt_scores if len(out) == 1 else None)))
                 if text.stopped or gone:
                     self.scheduler.cancel(seq)
                     break
@@ -227,12 +251,17 @@ class Engine:
             raise RuntimeError(f"the engine failed: {end.error}") from end.error
         rest = text.finish()
         if rest and not gone:
-            yield rest
+            yield TextPiece(rest)
         if end is not None and end.reason in ("overflow", "abort"):
             finish = "abort"  # vLLM's finish reason for a request the engine ended
         else:
-            finish = "stop" if text.stopped or (out and out[-1] in self.stop_ids) else "length"
-        return Completion(text.text, out, finish, text.stop_reason, len(ids), first_at)
+            finish = "stop" if text.stopped or (out and out[-1] in stop_ids) else "length"
+        stop_reason = text.stop_reason
+        eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        if finish == "stop" and stop_reason is None and out[-1] in own_stops and out[-1] != eos:
+            stop_reason = out[-1]  # vLLM: a stop_token_ids id is the stop reason, the EOS id is not
+        return Completion(text.text, out, finish, stop_reason, len(ids), first_at, tuple(scores), prompt_scores,
+                          tuple(ids))
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
         """Greedy (text, token ids, finish reason, prompt tokens)."""
@@ -287,9 +316,10 @@ class Engine:
                 # Every row sampled before any is handed on: a handed token wakes its request's
                 # thread, which then holds the GIL between the sampler's PyTorch calls (16 prompts
                 # on a 2-core CPU: their first tokens went out over 5 ms instead of at once).
+                scored = group[0].sampler.params.prompt_logprobs is not None  # alone in its pass (prompt_groups)
                 run = functools.partial(r.run, TARGET, [s.slot for s in group], [0] * len(group),
-                                        [s.prompt for s in group])
-                toks = self._pass("prompt_pass", run, group)
+                                        [s.prompt for s in group], 0 if scored else None)
+                toks = self._pass("prompt_pass", run, group, scored)
                 prompts += 1
                 for seq, tok in zip(group, toks):
                     self._emit(seq, [tok])
@@ -319,9 +349,11 @@ class Engine:
         st.forward_s += self._forward
         self.clock.end(decoded, graph_rows, prompts, busy_after=self.scheduler.num_running() > 0)
 
-    def _pass(self, phase: str, run, seqs: list[Sequence] | None):
+    def _pass(self, phase: str, run, seqs: list[Sequence] | None, scored: bool = False):
         """``run()``, one forward pass (or a speculative round, ``seqs`` None: its tokens), and the
-        tokens sampled from its logits for ``seqs``, each part timed on the step's clock."""
+        tokens sampled from its logits for ``seqs`` (logprobs.Sampled records), each part timed on
+        the step's clock. ``scored``: the pass gave every prompt position's logits (one sequence),
+        and its prompt is scored before its first token is handed."""
         clock = self.clock
         clock.device_begin()
         f0 = time.perf_counter()
@@ -329,6 +361,10 @@ class Engine:
         f1 = time.perf_counter()
         self._forward += f1 - f0
         clock.add(phase, f1 - f0)
+        if scored:
+            [seq] = seqs
+            seq.outbox.put(score_prompt(out[0, :-1], seq.prompt, seq.sampler.params.prompt_logprobs))
+            out = out[:, -1]
         greedy = greedy_picks([s.sampler for s in seqs], out) if seqs is not None else None
         waited = clock.device_end()  # (after the argmax, so the device's time includes it)
         if seqs is not None:
@@ -345,17 +381,19 @@ class Engine:
         finally:
             self.clock.add("hand", time.perf_counter() - t0)
 
-    def _hand(self, seq: Sequence, tokens: list[int]) -> None:
+    def _hand(self, seq: Sequence, tokens: list[Sampled | int]) -> None:
         for tok in tokens:
-            seq.out.append(tok)
+            if not isinstance(tok, Sampled):  # a speculative round's plain ids
+                tok = Sampled(tok)
+            seq.out.append(tok.id)
             self.stats.tokens += 1
             if seq.outbox.qsize() >= STREAM_BUFFER_TOKENS:
                 log.warning(STREAM_OVERFLOW.format(limit=STREAM_BUFFER_TOKENS))
                 self._finish(seq, "overflow")
                 return
             seq.outbox.put(tok)
-            if tok in seq.stop_ids or len(seq.out) >= seq.max_tokens:
-                self._finish(seq, "eos" if tok in seq.stop_ids else "length")
+            if tok.id in seq.stop_ids or len(seq.out) >= seq.max_tokens:
+                self._finish(seq, "eos" if tok.id in seq.stop_ids else "length")
                 return
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -393,9 +431,12 @@ def prompt_groups(joining: list[Sequence], max_tokens: int, together: bool = Tru
     the GPU's matrix kernels are chosen by the number of rows, and a prompt's keys must not depend
     on which others arrived with it."""
     by_length: dict[int, list[Sequence]] = {}
-    for seq in joining:
-        by_length.setdefault(len(seq.prompt), []).append(seq)
     out = []
+    for seq in joining:
+        if seq.sampler.params.prompt_logprobs is not None:
+            out.append([seq])  # every position's logits: its own pass, the same alone or among others
+        else:
+            by_length.setdefault(len(seq.prompt), []).append(seq)
     for length, seqs in by_length.items():
         per_pass = max(1, (max_tokens + 2) // (length + 2)) if together else 1
         out += [seqs[i : i + per_pass] for i in range(0, len(seqs), per_pass)]

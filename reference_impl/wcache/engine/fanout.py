@@ -1,6 +1,6 @@
 """The completions of one request, one per prompt, submitted to the engine together.
 
-A request's list of prompts (``"prompt": ["a", "b"]``) gets one thread per prompt, each calling
+A request's list of prompts (``"prompt": ["a", "b"]``, each ``n`` times: one per choice) gets one thread per prompt, each calling
 ``Engine.generate``; an engine that batches runs them in one batch, one that decodes a sequence at a
 time runs them one after another. ``stream`` turns their pieces of text into one ordered series of
 events for a server-sent stream; a single prompt streams on the request's own thread
@@ -15,8 +15,13 @@ import threading
 from collections.abc import Callable, Iterator
 
 
-def _args(req) -> tuple:
-    return req.max_tokens, req.sampling, req.stop
+def _args(req, index: int) -> tuple:
+    """Sequence ``index``'s settings: its choice's sampling (each of ``n`` choices seeded apart)."""
+    return req.max_tokens, req.choice_sampling(index), req.stop
+
+
+def _kw(req) -> dict:
+    return {"skip_special_tokens": req.skip_special_tokens, **req.stop_rules.as_kwargs()}
 
 
 def _each_queued(n: int, queued: Callable[[], None] | None) -> Callable[[], None] | None:
@@ -43,15 +48,13 @@ def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None,
     called once every prompt is in the engine's queue."""
     queued = _each_queued(len(prompts), queued)
     if len(prompts) == 1:  # no thread for the usual case
-        return [engine.generate(prompts[0], *_args(req), on_text=on_text, queued=queued,
-                                skip_special_tokens=req.skip_special_tokens)]
+        return [engine.generate(prompts[0], *_args(req, 0), on_text=on_text, queued=queued, **_kw(req))]
     done: list = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            done[i] = engine.generate(prompts[i], *_args(req), on_text=on_text, queued=queued,
-                                      skip_special_tokens=req.skip_special_tokens)
+            done[i] = engine.generate(prompts[i], *_args(req, i), on_text=on_text, queued=queued, **_kw(req))
         except BaseException as e:  # raised below, on the request's thread
             errors.append(e)
 
@@ -86,7 +89,7 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread,
 
     def run(i: int) -> None:
         try:
-            c = engine.generate(prompts[i], *_args(req), queued=queued, skip_special_tokens=req.skip_special_tokens,
+            c = engine.generate(prompts[i], *_args(req, i), queued=queued, **_kw(req),
                                 on_text=lambda piece: events.put(("text", i, piece)) or failed.is_set() or stop())
             events.put(("done", i, c))
         except BaseException as e:
@@ -105,7 +108,7 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread,
 
 
 def _stream_one(engine, prompt, req, stop: Callable[[], bool], queued) -> Iterator[tuple[str, int, object]]:
-    pieces = engine.pieces(prompt, *_args(req), queued, req.skip_special_tokens)
+    pieces = engine.pieces(prompt, *_args(req, 0), queued, **_kw(req))
     try:
         try:
             piece = next(pieces)

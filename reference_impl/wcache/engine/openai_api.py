@@ -17,16 +17,20 @@ import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from wcache.engine import sampling_fields as fields
+from wcache.engine.logprob_answers import CompletionLogprobs, prompt_logprobs
 from wcache.engine.sampling import SamplingParams
+from wcache.engine.sampling_fields import StopRules
 from wcache.errors import (  # the texts live with every other user-facing text
     MODEL_NOT_FOUND, NO_CHAT_TEMPLATE, NOT_JSON, NOT_AN_OBJECT, UNKNOWN_FIELD, REFUSED_FIELD, PROMPT_REQUIRED,
     PROMPT_SURROGATE, MAX_TOKENS_TYPE, MAX_TOKENS_RANGE, MODEL_TYPE, TEMPERATURE, TOP_P, SEED, STOP, STREAM,
     STREAM_OPTIONS, SAMPLING_WITH_DRAFT, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, PROMPT_LIST_TOO_LONG,
-    CHAT_TEMPLATE_RENDER, BOOLEAN_FIELD, TEXT_WITHOUT_TOKENIZER, STOP_WITHOUT_TOKENIZER,
+    CHAT_TEMPLATE_RENDER, BOOLEAN_FIELD, TEXT_WITHOUT_TOKENIZER, STOP_WITHOUT_TOKENIZER, N_TOO_MANY,
 )
 from wcache.model.tokenizer import Tokenizer
 
-DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+DEFAULT_MAX_TOKENS = 16
+TOKEN_IDS = "return_tokens_as_token_ids"  # vLLM's default for /v1/completions
 # Prompts in one request's list: each is decoded on its own thread (the engine batches them), so
 # the list is bounded like the connections are (http_front.Limits.max_connections).
 MAX_PROMPTS = 64
@@ -54,14 +58,37 @@ COMPLETION_FIELDS: dict[str, Field] = {
     "user": Field(True, "an end-user id; accepted and not used, as vLLM"),
     "skip_special_tokens": Field(True, "vLLM's: `true` (the default) leaves the tokenizer's special tokens out of "
                                        "the text"),
-    "n": Field(False, "one completion per request", (None, 1)),
+    "n": Field(True, "choices per prompt, 1 or more (default 1), at most "
+                     f"{MAX_PROMPTS} choices in all: each its own sequence in the batch, choice `j` of a prompt "
+                     "at `index` prompt × n + j; with a `seed`, choice j is seeded `seed + j`, as vLLM"),
+    "logprobs": Field(True, "0 to 20: each token's log-probability, and the `logprobs` most likely tokens' "
+                            "(`log_softmax` of the model's logits, before any sampling setting, as vLLM)"),
+    "echo": Field(True, "`true`: the prompt's text comes first (with `logprobs`, its tokens scored too, the "
+                        "first one `null`)"),
+    "prompt_logprobs": Field(True, "vLLM's: 0 to 20, not streamed: a choice's `prompt_logprobs`, `null` for the "
+                                   "first prompt token, then `{id: {logprob, rank, decoded_token}}` for each"),
+    "presence_penalty": Field(True, "-2 to 2 (default 0): subtracted from the logit of every token already in the "
+                                    "output"),
+    "frequency_penalty": Field(True, "-2 to 2 (default 0): subtracted from a token's logit once per time it is "
+                                     "in the output"),
+    "repetition_penalty": Field(True, "vLLM's: above 0 (default 1): the logit of a token already in the prompt or "
+                                      "output divided by it if positive, multiplied by it if not"),
+    "logit_bias": Field(True, "an object of token id to bias, each clamped to [-100, 100] and added to that "
+                              "token's logit"),
+    "top_k": Field(True, "vLLM's: 0 (the default; -1 too) or at least 1: draw from the k most likely tokens"),
+    "min_p": Field(True, "vLLM's: 0 to 1 (default 0): drop tokens less likely than min_p times the most "
+                         "likely one"),
+    "min_tokens": Field(True, "vLLM's: 0 to `max_tokens` (default 0): no stop id or stop string ends the "
+                              "completion sooner"),
+    "stop_token_ids": Field(True, "vLLM's: token ids that end the completion too (`stop_reason` is the id)"),
+    "ignore_eos": Field(True, "vLLM's: `true`: the checkpoint's EOS ids do not end the completion (a fixed "
+                              "length, as load generators send)"),
+    "include_stop_str_in_output": Field(True, "vLLM's: `true`: the stop string, or a stop id's text, stays "
+                                              "in the text"),
+    "return_tokens_as_token_ids": Field(True, "vLLM's: `true`: the logprobs name each token `token_id:N`, not by "
+                                              "its text (byte pieces of one character decode alike)"),
     "best_of": Field(False, "one completion per request", (None, 1)),
-    "logprobs": Field(False, "log-probabilities are not returned", (None,)),
-    "echo": Field(False, "the prompt is not echoed", (False,)),
     "suffix": Field(False, "no insertion after a suffix", (None,)),
-    "presence_penalty": Field(False, "no penalties", (0, 0.0)),
-    "frequency_penalty": Field(False, "no penalties", (0, 0.0)),
-    "logit_bias": Field(False, "no logit bias", (None,)),
 }
 
 
@@ -94,6 +121,19 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     skip_special_tokens: bool = True
+    n: int = 1
+    stop_rules: StopRules = StopRules()
+    echo: bool = False
+    echo_texts: tuple[str, ...] = ()  # each prompt's text, for echo (token ids decoded)
+    prompt_logprobs: int | None = None  # the prompt_logprobs field (echo's scores are the sampling's)
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
+
+    def choice_prompts(self) -> list[list[int]]:
+        """The sequences to run: each prompt n times, choice j of prompt i at index i * n + j."""
+        return [p for p in self.prompts for _ in range(self.n)]
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        return self.sampling.for_choice(index % self.n)
 
 
 def parse_json_object(body: bytes) -> dict:
@@ -145,8 +185,32 @@ def parse_completion_request(body: bytes, max_model_len: int, served=(), has_dra
     stop = parse_stop(req.get("stop"))
     if stop and tokenizer is None:
         raise ApiError(400, STOP_WITHOUT_TOKENIZER, "stop")
-    return CompletionRequest(prompts, max_tokens, parse_sampling(req, has_draft), stop, *parse_stream(req),
-                             parse_skip_special_tokens(req))
+    stream = parse_stream(req)
+    echo = req.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ApiError(400, BOOLEAN_FIELD.format(field="echo"), "echo")
+    try:
+        top = fields.completion_logprobs(req, vocab_size)
+        prompt_top = fields.prompt_logprobs(req, vocab_size, stream[0])
+        if echo and top is not None:  # vLLM: echo with logprobs scores the prompt as many
+            prompt_top = top if prompt_top is None else max(top, prompt_top)
+        n = fields.choices(req)
+        if n * len(prompts) > MAX_PROMPTS:
+            raise fields.FieldError(N_TOO_MANY.format(n=n, prompts=len(prompts), total=n * len(prompts),
+                                                      max=MAX_PROMPTS), "n")
+        rules = fields.stop_rules(req, vocab_size)
+        sampling = parse_sampling(req, has_draft, vocab_size, max_tokens, top, prompt_top)
+        prompt_top_field, as_ids = fields.prompt_logprobs(req, vocab_size, stream[0]), fields.boolean(req, TOKEN_IDS)
+    except fields.FieldError as e:
+        raise ApiError(400, str(e), e.field) from None
+    texts = tuple(p if isinstance(p, str) else tokenizer.decode(ids, False) if tokenizer else ""
+                  for p, ids in zip(_prompt_list(req.get("prompt")), prompts)) if echo else ()
+    return CompletionRequest(prompts, max_tokens, sampling, stop, *stream, parse_skip_special_tokens(req), n, rules,
+                             bool(echo), texts, prompt_top_field, as_ids)
+
+
+def _prompt_list(prompt) -> list:
+    return [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
 
 
 def parse_skip_special_tokens(req: dict) -> bool:
@@ -204,7 +268,10 @@ def check_prompt_fits(max_model_len: int, prompt_tokens: int) -> None:
         raise ApiError(400, PROMPT_TOO_LONG.format(max_model_len=max_model_len, prompt_tokens=prompt_tokens))
 
 
-def parse_sampling(req: dict, has_draft: bool) -> SamplingParams:
+def parse_sampling(req: dict, has_draft: bool, vocab_size: int | None = None, max_tokens: int = 1,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """Every sampling setting (sampling_fields.py's beyond temperature, top_p and seed); raises
+    ApiError, or sampling_fields.FieldError for those."""
     t = req.get("temperature", 0.0)
     t = 0.0 if t is None else t
     if not _number(t) or not 0 <= t <= 2:
@@ -218,7 +285,11 @@ def parse_sampling(req: dict, has_draft: bool) -> SamplingParams:
         raise ApiError(400, SEED.format(value=json.dumps(seed)[:32]), "seed")
     if t > 0 and has_draft:
         raise ApiError(400, SAMPLING_WITH_DRAFT, "temperature")
-    return SamplingParams(float(t), float(p), seed)
+    if has_draft and (logprobs is not None or prompt_logprobs is not None):
+        field = "logprobs" if logprobs is not None else "prompt_logprobs"
+        raise fields.FieldError(fields.DRAFT_SAMPLING_FIELD.format(field=field), field)
+    return SamplingParams(float(t), float(p), seed, **fields.processing(req, vocab_size, max_tokens, has_draft),
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def parse_stop(stop) -> tuple[str, ...]:
@@ -263,32 +334,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def total_usage(completions) -> dict:
-    return usage(sum(c.prompt_tokens for c in completions), sum(len(c.token_ids) for c in completions))
+def total_usage(completions, n: int = 1) -> dict:
+    """vLLM's counts: each prompt's tokens once (its n choices share it), every choice's tokens."""
+    return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
 
 
-def completion_body(cid: str, model: str, completion) -> dict:
-    """A completion's answer; ``completion`` is one, or a list of one per prompt."""
+def completion_body(cid: str, model: str, completion, req: CompletionRequest | None = None,
+                    tokenizer: Tokenizer | None = None) -> dict:
+    """A completion's answer; ``completion`` is one, or a list of one per choice (``req``'s order)."""
     done = completion if isinstance(completion, list) else [completion]
-    return {
-        "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": i, "text": c.text, "token_ids": c.token_ids, "logprobs": None,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(done)],
-        "usage": total_usage(done),
-    }
+    req = req or CompletionRequest((), 0, SamplingParams(), (), False, False)
+    tokenizer = None if req.tokens_as_ids else tokenizer
+    choices = []
+    for i, c in enumerate(done):
+        choice = {"index": i, "text": (req.echo_texts[i // req.n] if req.echo else "") + c.text,
+                  "token_ids": c.token_ids, "logprobs": None, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if req.sampling.logprobs is not None:
+            fmt, parts = CompletionLogprobs(tokenizer, req.sampling.logprobs), []
+            if req.echo:
+                parts.append(fmt.part(c.prompt_ids, c.prompt_logprobs.entries))
+            parts.append(fmt.part(c.token_ids, c.logprobs))
+            choice["logprobs"] = {key: [x for part in parts for x in part[key]] for key in parts[0]}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(tokenizer, c.prompt_logprobs, req.prompt_logprobs)
+        choices.append(choice)
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": total_usage(done, req.n)}
 
 
 def stream_chunk(cid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                 stop_reason: str | None = None, index: int = 0) -> dict:
+                 stop_reason: str | int | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                          "stop_reason": stop_reason}]}
 
 
-def usage_chunk(cid: str, created: int, model: str, completion, obj: str = "text_completion") -> dict:
+def usage_chunk(cid: str, created: int, model: str, completion, obj: str = "text_completion", n: int = 1) -> dict:
     done = completion if isinstance(completion, list) else [completion]
     return {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": total_usage(done)}
+            "usage": total_usage(done, n)}
 
 
 def sse(payload: dict | str) -> bytes:
@@ -314,21 +399,41 @@ def models_body(names, created: int, max_model_len: int | None, root: str | None
 
 class CompletionStream:
     """A streamed completion's events as vLLM sends them: a chunk per piece of text (``index`` the
-    prompt's), a chunk with each prompt's finish reason, the usage chunk if asked, ``[DONE]``."""
+    choice's; with logprobs, a chunk per token, its scores with it; with echo, the prompt's text
+    first), a chunk with each choice's finish reason, the usage chunk if asked, ``[DONE]``."""
 
-    def __init__(self, model: str, include_usage: bool):
+    def __init__(self, model: str, include_usage: bool, req: CompletionRequest | None = None,
+                 tokenizer: Tokenizer | None = None):
         self.cid, self.created, self.model, self.include_usage = new_id(), int(time.time()), model, include_usage
+        self.req = req or CompletionRequest((), 0, SamplingParams(), (), True, include_usage)
+        self.tokenizer = None if self.req.tokens_as_ids else tokenizer
+        self.logprobs: dict[int, CompletionLogprobs] = {}  # a choice's, once it has begun
 
     def first(self) -> list:
         return []
 
+    def _begin(self, index: int) -> str:
+        """The echoed prompt's text the first time a choice sends anything."""
+        if index in self.logprobs:
+            return ""
+        self.logprobs[index] = CompletionLogprobs(self.tokenizer, self.req.sampling.logprobs or 0)
+        return self.req.echo_texts[index // self.req.n] if self.req.echo else ""
+
     def text(self, index: int, piece: str) -> list:
-        return [stream_chunk(self.cid, self.created, self.model, piece, index=index)]
+        echo = self._begin(index)
+        logprobs = None
+        if self.req.sampling.logprobs is not None:
+            fmt, parts = self.logprobs[index], []
+            if echo and piece.prompt is not None:
+                parts.append(fmt.part(piece.prompt.ids, piece.prompt.entries))
+            parts.append(fmt.part([t.id for t in piece.tokens], piece.tokens))
+            logprobs = {key: [x for part in parts for x in part[key]] for key in parts[0]}
+        return [stream_chunk(self.cid, self.created, self.model, echo + piece, index=index, logprobs=logprobs)]
 
     def done(self, index: int, completion) -> list:
-        return [stream_chunk(self.cid, self.created, self.model, "", completion.finish_reason, completion.stop_reason,
-                             index=index)]
+        return [stream_chunk(self.cid, self.created, self.model, self._begin(index), completion.finish_reason,
+                             completion.stop_reason, index=index)]
 
     def last(self, completions: list) -> list:
-        usage = [usage_chunk(self.cid, self.created, self.model, completions)] if self.include_usage else []
+        usage = [usage_chunk(self.cid, self.created, self.model, completions, n=self.req.n)] if self.include_usage else []
         return [*usage, DONE]

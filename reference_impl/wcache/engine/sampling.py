@@ -1,4 +1,4 @@
-"""How the next token is picked from the logits: greedy, or sampled with temperature and top-p.
+"""How the next token is picked from the logits: greedy, or sampled, after vLLM's logits processing.
 
 Temperature 0 is ``argmax``, exactly the engine's greedy decoding. Above it the logits are divided
 by the temperature, the smallest set of tokens whose probability reaches ``top_p`` is kept, and one
@@ -6,15 +6,23 @@ is drawn with a CPU ``torch.Generator`` seeded from the request's ``seed`` (a ra
 none). Only engine rank 0 samples (the other ranks receive the picked token in the next step's
 header, runner.py). In a batch every sequence keeps its own generator, and its row of the logits
 is the logits it would have alone, so a seeded request draws the same tokens alone or batched.
+
+Before the pick, a row goes through vLLM's (v1 sampler's) steps, in its order: ``min_tokens`` (the
+stop ids cannot be picked yet), ``logit_bias`` (added), the penalties (penalties.py), then, when
+sampling, temperature, ``min_p``, ``top_k`` and ``top_p``. Greedy is the argmax after the penalties
+and bias. A row that asks for none of it is untouched: the plain greedy path stays one argmax.
 """
 
 from __future__ import annotations
 
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from wcache.engine.logprobs import Sampled, score
+from wcache.engine.penalties import apply_penalties
 
 
 @dataclass(frozen=True)
@@ -22,18 +30,45 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0 (or -1, vLLM's older spelling): every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), the bias clamped to [-100, 100]
+    min_tokens: int = 0
+    logprobs: int | None = None  # top log-probabilities per generated token (None: no logprobs)
+    prompt_logprobs: int | None = None  # the same for each prompt token (echo with logprobs, prompt_logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to change the logits and no logprobs: one argmax, on the device."""
+        return (self.greedy and not self.penalized and not self.logit_bias and not self.min_tokens
+                and self.logprobs is None)
+
     def seeded(self) -> SamplingParams:
         """These settings with a seed: the request's, or a fresh random one (sent to every rank)."""
         if self.greedy or self.seed is not None:
             return self
-        return SamplingParams(self.temperature, self.top_p, secrets.randbits(62))
+        return replace(self, seed=secrets.randbits(62))
 
-    # The request header between ranks is int64s: floats travel as their IEEE-754 bits.
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index`` of ``n``: vLLM gives each its own sequence, seeded ``seed + index``, so
+        a seeded request's choices differ from each other and are the same every time."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=(self.seed + index) % 2**63)
+
+    # The request header between ranks is int64s: floats travel as their IEEE-754 bits (the draw's
+    # settings; rank 0 alone processes the logits).
     def as_ints(self) -> list[int]:
         return [_bits(self.temperature), _bits(self.top_p), -1 if self.seed is None else self.seed]
 
@@ -55,20 +90,65 @@ def _float(i: int) -> float:
 
 
 class Sampler:
-    """Picks tokens for one sequence."""
+    """Picks tokens for one sequence. ``bind`` gives it the sequence's prompt and output (penalties
+    and ``min_tokens`` read them) and the ids ``min_tokens`` holds back (every stop id)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.generator = None
+        self.prompt: list[int] = []
+        self.out: list[int] = []
+        self.stop_ids: frozenset[int] = frozenset()
         if not params.greedy:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(62))
 
+    def bind(self, prompt: list[int], out: list[int], stop_ids: frozenset[int]) -> Sampler:
+        self.prompt, self.out, self.stop_ids = prompt, out, stop_ids
+        return self
+
+    @property
+    def plain(self) -> bool:
+        return self.params.plain
+
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row as vLLM's sampler sees it before temperature: min_tokens, logit bias, penalties."""
+        p = self.params
+        if not (p.min_tokens or p.logit_bias or p.penalized):
+            return logits
+        logits = logits.detach().float().clone()
+        if len(self.out) < p.min_tokens and self.stop_ids:
+            logits[torch.tensor(sorted(self.stop_ids), device=logits.device)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor([i for i, _ in p.logit_bias], device=logits.device)
+            logits[ids] += torch.tensor([b for _, b in p.logit_bias], device=logits.device)
+        if p.penalized:
+            logits = apply_penalties(logits, self.prompt, self.out, p.presence_penalty, p.frequency_penalty,
+                                     p.repetition_penalty)
+        return logits
+
     def pick(self, logits: torch.Tensor) -> int:
+        return self.sample(logits).id
+
+    def sample(self, logits: torch.Tensor) -> Sampled:
+        """The next token, with its log-probabilities (of the raw ``logits``) when asked."""
+        tok = self._pick(self.processed(logits))
+        if self.params.logprobs is None:
+            return Sampled(tok)
+        return score(logits, tok, self.params.logprobs)
+
+    def _pick(self, logits: torch.Tensor) -> int:
         if self.generator is None:
             return int(torch.argmax(logits))
         p = self.params
-        probs = torch.softmax(logits.detach().float().cpu() / p.temperature, dim=-1)
+        logits = logits.detach().float().cpu() / p.temperature
+        if p.min_p > 0.0:  # vLLM's: drop tokens less likely than min_p times the most likely one
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
@@ -78,16 +158,16 @@ class Sampler:
 
 
 def greedy_picks(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor | None:
-    """The batch's tokens as one argmax on the logits' device when every row is greedy (the common
-    case: one kernel queued behind the pass, one device-to-host copy later), else None."""
-    return logits.argmax(dim=-1) if all(s.generator is None for s in samplers) else None
+    """The batch's tokens as one argmax on the logits' device when every row is plain greedy (the
+    common case: one kernel queued behind the pass, one device-to-host copy later), else None."""
+    return logits.argmax(dim=-1) if all(s.plain for s in samplers) else None
 
 
-def pick_rows(samplers: list[Sampler], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[int]:
+def pick_rows(samplers: list[Sampler], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[Sampled]:
     """One token per row of ``logits`` (B, vocab): ``greedy_picks`` (or ``greedy``, what it gave)
-    when every row is greedy, else each row by its own sampler."""
+    when every row is plain greedy, else each row by its own sampler (with its logprobs if asked)."""
     if greedy is None:
         greedy = greedy_picks(samplers, logits)
     if greedy is not None:
-        return greedy.tolist()
-    return [s.pick(row) for s, row in zip(samplers, logits)]
+        return [Sampled(t) for t in greedy.tolist()]
+    return [s.sample(row) for s, row in zip(samplers, logits)]

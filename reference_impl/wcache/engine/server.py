@@ -252,12 +252,11 @@ class _Handler(FrontDoorHandler):
         try:
             if is_chat:
                 req = chat.parse_chat_request(body, served.chat_template, engine.max_model_len, served.names,
-                                              engine.has_draft, engine.tokenizer)
-                prompts = [req.prompt]
+                                              engine.has_draft, engine.tokenizer, engine.cfg.hf.get("vocab_size"))
             else:
                 req = api.parse_completion_request(body, engine.max_model_len, served.names, engine.has_draft,
                                                    engine.cfg.hf.get("vocab_size"), engine.tokenizer)
-                prompts = list(req.prompts)
+            prompts = req.choice_prompts()  # one sequence per choice: each prompt n times
         except api.ApiError as e:
             self.send_json(e.status, e.body())
             return
@@ -268,7 +267,8 @@ class _Handler(FrontDoorHandler):
         queued = functools.partial(self.server.connections.handed, self.connection)  # no longer arriving
         with self.server.metrics.request() as timing:
             if req.stream:
-                events = (chat.ChatStream if is_chat else api.CompletionStream)(served.name, req.include_usage)
+                events = (chat.ChatStream if is_chat else api.CompletionStream)(served.name, req.include_usage, req,
+                                                                                 engine.tokenizer)
                 self._stream(engine, prompts, req, events, timing, queued)
                 return
             gone = cut = False
@@ -292,7 +292,7 @@ class _Handler(FrontDoorHandler):
                 return
             for c in done:
                 timing.finish(c, "abort" if gone or cut else None)
-        record.prompt_tokens = sum(c.prompt_tokens for c in done)
+        record.prompt_tokens = sum(c.prompt_tokens for c in done[::req.n])
         record.generation_tokens = sum(len(c.token_ids) for c in done)
         if gone:
             self.close_connection = True
@@ -302,8 +302,8 @@ class _Handler(FrontDoorHandler):
             self.close_connection = True
             self._error(503, SHUTTING_DOWN.format(timeout=self.server.shutdown_timeout))
             return
-        self.send_json(200, chat.chat_body(chat.new_id(), served.name, done[0]) if is_chat
-                       else api.completion_body(api.new_id(), served.name, done))
+        self.send_json(200, chat.chat_body(chat.new_id(), served.name, done, req, engine.tokenizer) if is_chat
+                       else api.completion_body(api.new_id(), served.name, done, req, engine.tokenizer))
 
     def _queue_full(self, e: QueueFull) -> None:
         """503 with Retry-After: the engine's waiting queue is full (--max-waiting-requests)."""
@@ -369,7 +369,7 @@ class _Handler(FrontDoorHandler):
                 self._event(payload, gone)
         if not started:
             start()
-        record.prompt_tokens = sum(c.prompt_tokens for c in done)
+        record.prompt_tokens = sum(c.prompt_tokens for c in done[::req.n])
         record.generation_tokens = sum(len(c.token_ids) for c in done)
         if aborting.is_set() and not gone.is_set():  # cut at the drain's deadline: say so, then end
             self.close_connection = True

@@ -1,0 +1,117 @@
+"""vLLM's logits processing and log-probabilities on known rows (engine/penalties.py, sampling.py,
+logprobs.py): each setting moves the logits exactly as its formula says (the formulas
+docs/serve-reference.md cites), and the scores are log_softmax of the raw logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wcache.engine.logprobs import score, score_prompt
+from wcache.engine.sampling import Sampler, SamplingParams
+from wcache.engine.textstream import TextStream
+
+ROW = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+
+
+def processed(prompt=(), out=(), stop_ids=frozenset(), **kw) -> torch.Tensor:
+    return Sampler(SamplingParams(**kw)).bind(list(prompt), list(out), frozenset(stop_ids)).processed(ROW.clone())
+
+
+def test_repetition_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    got = processed(prompt=[0, 1], out=[5], repetition_penalty=2.0)
+    # seen: 0 (2.0 > 0: halved), 1 (-1.0: doubled), 5 (1.0: halved); unseen 2, 3, 4 unchanged
+    assert got.tolist() == [1.0, -2.0, 0.5, 3.0, -2.0, 0.5]
+
+
+def test_frequency_subtracts_per_occurrence_in_the_output_only():
+    got = processed(prompt=[2], out=[3, 3, 0], frequency_penalty=0.5)
+    assert got.tolist() == [1.5, -1.0, 0.5, 2.0, -2.0, 1.0]  # 3 twice: -1.0; the prompt's 2 untouched
+
+
+def test_presence_subtracts_once_per_token_in_the_output():
+    got = processed(prompt=[2], out=[3, 3, 0], presence_penalty=0.5)
+    assert got.tolist() == [1.5, -1.0, 0.5, 2.5, -2.0, 1.0]
+
+
+def test_negative_penalties_raise_the_logits():
+    got = processed(out=[4], presence_penalty=-1.0, frequency_penalty=-1.0)
+    assert got[4] == pytest.approx(0.0) and got[0] == 2.0
+
+
+def test_logit_bias_is_added_and_min_tokens_masks_the_stop_ids():
+    got = processed(logit_bias=((1, 10.0), (3, -5.0)))
+    assert got.tolist() == [2.0, 9.0, 0.5, -2.0, -2.0, 1.0]
+    held = processed(out=[0], stop_ids={3}, min_tokens=2)
+    assert held[3] == float("-inf") and held[0] == 2.0
+    assert processed(out=[0, 0], stop_ids={3}, min_tokens=2)[3] == 3.0  # min_tokens reached: free again
+
+
+def test_greedy_picks_the_argmax_after_the_penalties():
+    assert Sampler(SamplingParams()).pick(ROW) == 3
+    s = Sampler(SamplingParams(presence_penalty=2.0)).bind([], [3], frozenset())
+    assert s.pick(ROW) == 0  # 3's logit 1.0 now, below 0's 2.0
+
+
+def test_top_k_and_min_p_leave_only_the_tokens_their_formulas_keep():
+    def drawn(**kw):
+        s = Sampler(SamplingParams(1.0, seed=1, **kw))
+        return {s.pick(ROW) for _ in range(300)}
+
+    assert drawn(top_k=2) == {0, 3}
+    # min_p 0.3: keep p >= 0.3 * p(3); p(0) / p(3) = e^-1 = 0.37, p(5) / p(3) = e^-2 = 0.14
+    assert drawn(min_p=0.3) == {0, 3}
+    assert drawn(top_k=1) == {3}
+    assert len(drawn()) >= 5
+
+
+def test_a_choice_is_seeded_seed_plus_its_index():
+    p = SamplingParams(1.0, seed=7)
+    assert [p.for_choice(j).seed for j in range(3)] == [7, 8, 9]
+    assert SamplingParams(1.0).for_choice(2).seed is None
+
+
+def test_scores_are_log_softmax_of_the_raw_logits_with_rank_and_top():
+    lp = torch.log_softmax(ROW, -1)
+    s = score(ROW, 5, 2)
+    assert s.logprob == pytest.approx(float(lp[5])) and s.rank == 3
+    assert [t for t, _ in s.top] == [3, 0] and s.top[0][1] == pytest.approx(float(lp[3]))
+    # sampling settings never change the scores: they are the model's
+    sampled = Sampler(SamplingParams(presence_penalty=2.0, logprobs=1)).bind([], [3], frozenset()).sample(ROW)
+    assert sampled.id == 0 and sampled.logprob == pytest.approx(float(lp[0])) and sampled.top[0][0] == 3
+
+
+def test_prompt_scores_use_the_position_before_each_token_and_leave_the_first_none():
+    logits = torch.stack([ROW, ROW.flip(0), ROW * 2])  # positions 0, 1, 2 of a 3-token prompt
+    scores = score_prompt(logits[:-1], [4, 3, 0], 1)
+    assert scores.entries[0] is None and scores.ids == (4, 3, 0)
+    assert scores.entries[1].logprob == pytest.approx(float(torch.log_softmax(ROW, -1)[3]))
+    assert scores.entries[2].logprob == pytest.approx(float(torch.log_softmax(ROW.flip(0), -1)[0]))
+
+
+class Letters:
+    """A detokenizer of one letter per token id (0 -> a, 1 -> b, ...)."""
+
+    def __init__(self):
+        self.text = ""
+
+    def push(self, token):
+        self.text += chr(ord("a") + token)
+
+    def flush(self):
+        pass
+
+
+def test_include_stop_keeps_the_stop_string_and_min_tokens_delays_it():
+    def run(ids, **kw):
+        ts = TextStream(Letters(), ["cd"], **kw)
+        for t in ids:
+            ts.push(t)
+            if ts.stopped:
+                break
+        ts.finish()
+        return ts.text, ts.stop_reason
+
+    assert run([0, 1, 2, 3, 4]) == ("ab", "cd")
+    assert run([0, 1, 2, 3, 4], include_stop=True) == ("abcd", "cd")
+    assert run([2, 3, 0, 2, 3, 1], min_tokens=2) == ("cda", "cd")  # the first "cd" is within min_tokens
