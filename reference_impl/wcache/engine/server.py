@@ -39,6 +39,7 @@ from wcache.engine.client_gone import PeerWatch
 from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
 from wcache.engine.scheduler import QueueFull
 from wcache.engine.version_info import version_body
+from wcache import errors
 from wcache.errors import (API_KEY_MISSING, API_KEY_WRONG, BAD_LENGTH, LANE_BUSY, LOADING, NO_LENGTH, NO_METRICS,
                            NO_ROUTE, NOT_ALLOWED, QUEUE_FULL, SHUTTING_DOWN, TOO_LARGE)
 from wcache.engine.http_front import BUSY_MESSAGE, DEFAULT_LIMITS, FrontDoorHandler, FrontDoorServer, Limits
@@ -85,6 +86,27 @@ REFUSALS = [
     (400, api.PROMPT_TOO_LONG, "a chat prompt that leaves no room for one token"),
     (400, api.TOKEN_OUT_OF_VOCAB, "a prompt of token ids with one past the model's vocabulary"),
     (400, api.PROMPT_LIST_TOO_LONG, f"more than {api.MAX_PROMPTS} prompts in one request"),
+    # vLLM's sampling and scoring parameters (engine/sampling_fields.py), vLLM's texts
+    (400, errors.N_RANGE, "`n` below 1"),
+    (400, errors.N_TOO_MANY, f"`n` times the prompts is over {api.MAX_PROMPTS} choices"),
+    (400, errors.LOGPROBS_TOO_MANY, "`logprobs` (chat: `top_logprobs`) over 20, vLLM's --max-logprobs default"),
+    (400, errors.LOGPROBS_NEGATIVE, "a negative `logprobs`"),
+    (400, errors.TOP_LOGPROBS_WITHOUT_LOGPROBS, "chat's `top_logprobs` without `\"logprobs\": true`"),
+    (400, errors.TOP_LOGPROBS_NEGATIVE, "a `top_logprobs` below 0 (but -1: the whole vocabulary, over 20)"),
+    (400, errors.PROMPT_LOGPROBS_TOO_MANY, "`prompt_logprobs` over 20"),
+    (400, errors.PROMPT_LOGPROBS_STREAM, "`prompt_logprobs` with `\"stream\": true`"),
+    (400, errors.PRESENCE_PENALTY, "`presence_penalty` outside [-2, 2]"),
+    (400, errors.FREQUENCY_PENALTY, "`frequency_penalty` outside [-2, 2]"),
+    (400, errors.REPETITION_PENALTY, "`repetition_penalty` 0 or below"),
+    (400, errors.TOP_K, "`top_k` below -1"),
+    (400, errors.MIN_P, "`min_p` outside [0, 1]"),
+    (400, errors.MIN_TOKENS, "a negative `min_tokens`"),
+    (400, errors.MIN_TOKENS_OVER_MAX, "`min_tokens` over `max_tokens`"),
+    (400, errors.LOGIT_BIAS_KEY, "a `logit_bias` key that is not a token id"),
+    (400, errors.LOGIT_BIAS_VOCAB, "a `logit_bias` token id past the vocabulary"),
+    (400, errors.NUMBER_FIELD, "a sampling field that takes a number given something else"),
+    (400, errors.INTEGER_FIELD, "a field that takes an integer (`n`, `top_k`, `min_tokens`, the logprobs counts) "
+                                "given something else"),
     (401, API_KEY_MISSING, "with an API key set: a `/v1/` request without `Authorization: Bearer`"),
     (401, API_KEY_WRONG, "with an API key set: a `/v1/` request with another key"),
     (400, api.NOT_JSON, "the body is not JSON (bad UTF-8, a lone surrogate, nesting too deep)"),
