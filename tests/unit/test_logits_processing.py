@@ -115,3 +115,31 @@ def test_include_stop_keeps_the_stop_string_and_min_tokens_delays_it():
     assert run([0, 1, 2, 3, 4]) == ("ab", "cd")
     assert run([0, 1, 2, 3, 4], include_stop=True) == ("abcd", "cd")
     assert run([2, 3, 0, 2, 3, 1], min_tokens=2) == ("cda", "cd")  # the first "cd" is within min_tokens
+
+
+# -- the answers' shapes (logprob_answers.py) ------------------------------------------------------
+def test_completion_logprobs_hold_the_chosen_token_and_the_top_k_and_go_on_across_parts():
+    from wcache.engine.logprob_answers import CompletionLogprobs
+    from wcache.engine.logprobs import Sampled
+
+    fmt = CompletionLogprobs(None, 2)  # no tokenizer: tokens named token_id:N, as vLLM names them then
+    first = fmt.part([7, 3], [None, Sampled(3, -2.5, 4, ((1, -0.1), (2, -0.9), (3, -2.5)))])
+    assert first["tokens"] == ["token_id:7", "token_id:3"] and first["token_logprobs"] == [None, -2.5]
+    assert first["top_logprobs"] == [None, {"token_id:3": -2.5, "token_id:1": -0.1, "token_id:2": -0.9}]
+    assert first["text_offset"] == [0, 10]
+    second = fmt.part([1], [Sampled(1, float("-inf"), 1, ((1, float("-inf")),))])
+    assert second["text_offset"] == [20] and second["token_logprobs"] == [-9999.0]  # -inf: JSON has none
+
+
+def test_chat_logprobs_list_the_top_k_in_rank_order_and_prompt_logprobs_carry_ranks():
+    from wcache.engine.logprob_answers import chat_logprobs, prompt_logprobs
+    from wcache.engine.logprobs import PromptScores, Sampled
+
+    entry = Sampled(5, -1.5, 2, ((4, -0.5), (5, -1.5), (6, -3.0)))
+    [one] = chat_logprobs(None, (entry,), 2)["content"]
+    assert one["token"] == "token_id:5" and one["logprob"] == -1.5 and one["bytes"] == list(b"token_id:5")
+    assert [t["token"] for t in one["top_logprobs"]] == ["token_id:4", "token_id:5"]
+    scores = prompt_logprobs(None, PromptScores((9, 5), (None, entry)), 1)
+    assert scores[0] is None
+    assert scores[1] == {5: {"logprob": -1.5, "rank": 2, "decoded_token": "token_id:5"},
+                         4: {"logprob": -0.5, "rank": 1, "decoded_token": "token_id:4"}}

@@ -1,8 +1,8 @@
 """The completions of one request, one per prompt, submitted to the engine together.
 
-A request's list of prompts (``"prompt": ["a", "b"]``, each ``n`` times: one per choice) gets one thread per prompt, each calling
-``Engine.generate``; an engine that batches runs them in one batch, one that decodes a sequence at a
-time runs them one after another. ``stream`` turns their pieces of text into one ordered series of
+A request's list of prompts (``"prompt": ["a", "b"]``, each ``n`` times: one per choice) gets one
+thread per prompt, each calling ``Engine.generate``; an engine that batches runs them in one batch,
+one that decodes a sequence at a time runs them one after another. ``stream`` turns their pieces of text into one ordered series of
 events for a server-sent stream; a single prompt streams on the request's own thread
 (``Engine.pieces``), so each token reaches its socket with one thread wake-up, not two. Both stop
 every prompt at its next token once they are told to (a client that went away, a drain's deadline).

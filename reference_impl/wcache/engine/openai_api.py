@@ -435,5 +435,6 @@ class CompletionStream:
                              completion.stop_reason, index=index)]
 
     def last(self, completions: list) -> list:
-        usage = [usage_chunk(self.cid, self.created, self.model, completions, n=self.req.n)] if self.include_usage else []
+        usage = ([usage_chunk(self.cid, self.created, self.model, completions, n=self.req.n)]
+                 if self.include_usage else [])
         return [*usage, DONE]
