@@ -129,6 +129,7 @@ REFUSED = {  # name: (keyword arguments, the field the message names)
     "top_k=-2": (dict(extra_body={"top_k": -2}), "top_k must be 0 (disable), or at least 1, got -2."),
     "top_k a float": (dict(extra_body={"top_k": 1.5}), "'top_k' must be an integer, got 1.5"),
     "min_p=2": (dict(extra_body={"min_p": 2}), "min_p must be in [0, 1], got 2.0."),
+    "min_p a string": (dict(extra_body={"min_p": "x"}), "'min_p' must be a number, got \"x\""),
     "min_tokens<0": (dict(extra_body={"min_tokens": -1}), "min_tokens must be greater than or equal to 0, got -1."),
     "min_tokens>max": (dict(extra_body={"min_tokens": 5}), "min_tokens must be less than or equal to max_tokens=4, got 5."),
     "logit_bias key": (dict(logit_bias={"x": 1}), "Found token_id `x` in logit_bias but token_id must be an integer"),
