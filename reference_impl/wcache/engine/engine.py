@@ -42,8 +42,8 @@ from wcache.engine.sampling import (
     greedy_picks,
     pick_rows,
 )
-from wcache.engine.settings import EngineSettings
 from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
+from wcache.engine.settings import EngineSettings
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
