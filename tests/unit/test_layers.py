@@ -157,3 +157,19 @@ def test_the_cycle_check_finds_a_lazy_cycle_through_a_package_init(tmp_path):
     assert import_cycles(module_imports(pkg, "toy")) == [["toy.a", "toy.b", "toy.sub"]]
     (pkg / "a.py").write_text("import os\n")
     assert import_cycles(module_imports(pkg, "toy")) == []
+
+
+MAX_LINES = 600  # the project's rule: a module past it holds more than one concept; split it by role
+
+
+def modules_over(root: Path, limit: int) -> list[str]:
+    return sorted(f"{p.relative_to(root)}: {n} lines" for p in root.rglob("*.py")
+                  if (n := len(p.read_text(encoding="utf-8").splitlines())) > limit)
+
+
+def test_no_module_of_the_package_is_over_600_lines(tmp_path):
+    assert not modules_over(PKG, MAX_LINES), "modules over the limit:\n" + "\n".join(modules_over(PKG, MAX_LINES))
+    # The negative control: a module one line past the limit is named, one at it is not.
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "at_limit.py").write_text("x = 1\n" * MAX_LINES)
+    assert modules_over(tmp_path, MAX_LINES) == [f"long.py: {MAX_LINES + 1} lines"]
