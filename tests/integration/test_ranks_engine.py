@@ -20,7 +20,9 @@ from wcache.core.checkpoint import make_checkpoint
 from wcache.cli import build_parser
 from wcache.errors import KVCacheBudgetError
 from wcache.engine.loading.config import parse_loader_config
+from wcache.core.settings import from_flags
 from wcache.engine.engine import rank_specs
+from wcache.engine.settings import EngineSettings
 from wcache.engine.runner import OP_STOP, RankRunner
 from wcache.engine.supervisor import spawn_worker
 
@@ -39,7 +41,7 @@ def engine(model, *flags: str):
     """(rank 0's started runner, the worker processes) of an engine whose rank 0 is this process."""
     args = build_parser().parse_args(["serve", str(model), "--device", "cpu", "--master-port", str(free_port()),
                                       "--no-enable-autotune", *flags])
-    _, specs = rank_specs(args, parse_loader_config(None))
+    _, specs = rank_specs(from_flags(EngineSettings, args), parse_loader_config(None))
     workers = [spawn_worker(s) for s in specs[1:]]
     try:
         runner = RankRunner.from_spec(specs[0])

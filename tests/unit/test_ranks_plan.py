@@ -18,7 +18,10 @@ from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
 from wcache.engine.loading.config import parse_loader_config
 from wcache.model.llama import bind_weights, build_meta_model, generate
+from wcache.core.ranks import ParallelSettings
+from wcache.core.settings import from_flags
 from wcache.engine.engine import rank_specs
+from wcache.engine.settings import EngineSettings
 from wcache.engine.runner import RankRunner
 
 TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512}
@@ -30,7 +33,7 @@ def preload_args(*flags: str):
 
 
 def layout(*flags: str, hf: dict = WIDE) -> ranks.RankLayout:
-    return ranks.layout_from_args(preload_args(*flags), hf)
+    return ranks.plan_layout(from_flags(ParallelSettings, preload_args(*flags)), hf)
 
 
 def triples(lay: ranks.RankLayout) -> list[tuple[int, int, int, int, int]]:
@@ -65,11 +68,11 @@ def test_data_parallel_placement_per_node():
 
 def test_engine_plan_picks_its_data_parallel_rank_and_driver():
     args = build_parser().parse_args(["serve", "m", "-dp", "2", "-tp", "2", "--data-parallel-rank", "1"])
-    plan = ranks.plan_engine(args, TINY, "cpu")
+    plan = ranks.plan_engine(from_flags(ParallelSettings, args), TINY, "cpu")
     assert [(r.dp_rank, r.tp_rank, r.local_rank) for r in plan.local] == [(1, 0, 2), (1, 1, 3)]
     assert plan.drives and plan.world_size == 2
     follower = build_parser().parse_args(["serve", "m", "-tp", "2", "--nnodes", "2", "--node-rank", "1"])
-    plan = ranks.plan_engine(follower, TINY, "cpu")
+    plan = ranks.plan_engine(from_flags(ParallelSettings, follower), TINY, "cpu")
     assert not plan.drives and [r.tp_rank for r in plan.local] == [1]
 
 
@@ -102,7 +105,7 @@ def plan_error(model, *flags: str) -> str:
     args = build_parser().parse_args(["preload", "--model", str(model), "--device", "cpu", *flags])
     cfg = EngineConfig.build(args.model, device="cpu")
     with pytest.raises(E) as e:
-        ranks.plan_daemons(args, cfg)
+        ranks.plan_daemons(from_flags(ParallelSettings, args), cfg)
     return str(e.value)
 
 
@@ -122,7 +125,7 @@ def test_daemon_plan_groups_and_ports(model32):
     args = build_parser().parse_args(["preload", "--model", str(model32), "-tp", "2", "--nnodes", "2",
                                       "--node-rank", "1", "--master-addr", "10.0.0.1",
                                       "--weight-cache-master-port", "29600", "--speculative-config", spec])
-    plan = ranks.plan_daemons(args, EngineConfig.build(args.model, device="cpu"))
+    plan = ranks.plan_daemons(from_flags(ParallelSettings, args), EngineConfig.build(args.model, device="cpu"))
     target, draft = plan.groups
     assert target == {"draft": False, "world": {"init_method": "tcp://10.0.0.1:29600", "world_size": 2,
                                                 "backend": "gloo"}}
@@ -131,7 +134,8 @@ def test_daemon_plan_groups_and_ports(model32):
     assert draft["model"] == str(model32)
     not_cached = json.dumps({"method": "draft_model", "model": str(model32), "num_speculative_tokens": 2})
     args = build_parser().parse_args(["preload", "--model", str(model32), "--speculative-config", not_cached])
-    assert len(ranks.plan_daemons(args, EngineConfig.build(args.model, device="cpu")).groups) == 1
+    plan = ranks.plan_daemons(from_flags(ParallelSettings, args), EngineConfig.build(args.model, device="cpu"))
+    assert len(plan.groups) == 1
 
 
 @pytest.mark.parametrize("value, message", [
@@ -168,22 +172,22 @@ def test_draft_must_fit_the_target(model32, tmp_path):
 def test_serve_errors(model32):
     args = build_parser().parse_args(["serve", str(model32), "-dp", "2"])
     with pytest.raises(E) as e:
-        ranks.plan_engine(args, TINY, "cpu")
+        ranks.plan_engine(from_flags(ParallelSettings, args), TINY, "cpu")
     assert str(e.value) == ranks.DP_RANK_REQUIRED.format(last=1)
     args = build_parser().parse_args(["serve", str(model32), "-dp", "2", "--data-parallel-rank", "2"])
     with pytest.raises(E) as e:
-        ranks.plan_engine(args, TINY, "cpu")
+        ranks.plan_engine(from_flags(ParallelSettings, args), TINY, "cpu")
     assert str(e.value) == ranks.DP_RANK_RANGE.format(last=1, value=2)
     args = build_parser().parse_args(["serve", str(model32), "-dp", "4", "--data-parallel-size-local", "2",
                                       "--data-parallel-rank", "3"])
     with pytest.raises(E) as e:
-        ranks.plan_engine(args, TINY, "cpu")
+        ranks.plan_engine(from_flags(ParallelSettings, args), TINY, "cpu")
     assert str(e.value) == ranks.DP_RANK_NOT_LOCAL.format(rank=3, node=0, lo=0, hi=1)
     spec = json.dumps({"method": "eagle", "model": str(model32), "num_speculative_tokens": 2})
     args = build_parser().parse_args(["serve", str(model32), "--speculative-config", spec, "--load-format",
                                       "ipc_cache"])
     with pytest.raises(E) as e:
-        rank_specs(args, parse_loader_config({"socket_path": "/tmp/x.sock"}))
+        rank_specs(from_flags(EngineSettings, args), parse_loader_config({"socket_path": "/tmp/x.sock"}))
     assert str(e.value) == ranks.SPEC_SOCKET_PATH.format(methods="eagle, eagle3, mtp")
 
 
@@ -229,7 +233,7 @@ def test_speculative_decoding_equals_greedy(model32, tmp_path):
         spec = json.dumps({"method": "eagle", "model": drafts[label], "num_speculative_tokens": k})
         args = build_parser().parse_args(["serve", str(model32), "--device", "cpu", "--no-enable-autotune",
                                           "--speculative-config", spec])
-        _, specs = rank_specs(args, parse_loader_config(None))
+        _, specs = rank_specs(from_flags(EngineSettings, args), parse_loader_config(None))
         runner = RankRunner.from_spec(specs[0])
         runner.start()
         ids = tokenizer.encode("The weight cache keeps")

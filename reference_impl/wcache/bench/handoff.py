@@ -18,6 +18,7 @@ from dataclasses import asdict
 import torch
 
 from wcache.bench.failure import bench_failure
+from wcache.bench.settings import BenchSettings
 from wcache.core.config import EngineConfig
 from wcache.engine.loading.config import LoaderConfig
 from wcache.engine.loading.registry import load_weights
@@ -49,11 +50,11 @@ def _warm_device(cfg) -> None:
         cudart()
 
 
-def sample_in_fresh_process(args, load_format: str, lc: LoaderConfig | None = None) -> dict:
+def sample_in_fresh_process(settings: BenchSettings, load_format: str, lc: LoaderConfig | None = None) -> dict:
     """One timed load in a new interpreter, as an engine restart does it: the page cache is warm,
     but the process (its allocator, its mappings) is new. Timing starts inside, after imports."""
-    spec = {"model": args.model, "dtype": args.dtype, "quantization": getattr(args, "quantization", None),
-            "device": args.device, "load_format": load_format,
+    spec = {"model": settings.model, "dtype": settings.dtype, "quantization": settings.quantization,
+            "device": settings.device, "load_format": load_format,
             "loader": asdict(lc) if lc else None}
     out = subprocess.run([sys.executable, "-m", "wcache.bench.handoff", json.dumps(spec)], capture_output=True,
                          text=True, timeout=1800)

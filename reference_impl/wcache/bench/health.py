@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from wcache.bench.api import free_port
+from wcache.bench.settings import BenchSettings
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -67,13 +68,13 @@ def percentile(values: list[float], q: float) -> float:
 HELD, STREAMS, PROBES = 200, 16, 200
 
 
-def run_bench_health(args) -> int:
+def run_bench_health(settings: BenchSettings) -> int:
     port = free_port()
-    device = "cpu" if args.device == "auto" else args.device
+    device = "cpu" if settings.device == "auto" else settings.device
     work = Path(tempfile.mkdtemp(prefix="wcache-health-"))
     log = open(work / "engine.log", "w")  # noqa: SIM115 (closed in the finally below)
-    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", str(args.model), "--device", device,
-                             "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.cli", "serve", str(settings.model), "--device", device,
+                             "--dtype", settings.dtype, "--host", "127.0.0.1", "--port", str(port),
                              "--no-enable-autotune", "--shutdown-delay", "0", "--disable-log-requests"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     held: list[socket.socket] = []
@@ -99,10 +100,10 @@ def run_bench_health(args) -> int:
     print(f"/health under load: {HELD} held completion connections, {STREAMS} streams: "
           f"{PROBES} probes, statuses {statuses}, p50 {out['p50_ms']} ms, p99 {out['p99_ms']} ms, "
           f"max {out['max_ms']} ms")
-    if args.json:
+    if settings.json:
         print(json.dumps(out))
-    if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    if settings.output:
+        Path(settings.output).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     return 0 if statuses == {"200": PROBES} else 1
 
 

@@ -27,11 +27,13 @@ import sys
 import threading
 import time
 import urllib.error
+from dataclasses import replace
 from pathlib import Path
 
 from wcache.bench.api import complete, free_port
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import quantization_flag, rss_bytes, terminate
+from wcache.bench.settings import BenchSettings
 from wcache.engine.respawn import STABLE_S, TIMELINE
 from wcache.engine.spare import SPARE_COLD_COPY, SPARE_COLD_FAILED, SPARE_HOT
 from wcache.wire.sockets import short_private_dir
@@ -146,12 +148,13 @@ def kill_under_load(port: int, victim: int, settle_s: float = 0.5, after_s: floa
 class Serving:
     """A `wcache serve` process (with or without --respawn) and its log."""
 
-    def __init__(self, args, work: Path, load_format: str, lc: dict | None, respawn: bool):
+    def __init__(self, settings: BenchSettings, work: Path, load_format: str, lc: dict | None, respawn: bool):
         self.port = free_port()
         self.log_path = work / f"serve-{self.port}.log"
-        argv = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "serve", args.model, "--device", args.device,
-                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format,
-                "--shutdown-delay", "0", *quantization_flag(args.quantization)]
+        argv = [sys.executable, "-m", "wcache.cli", "--log-level", "INFO", "serve", settings.model,
+                "--device", settings.device, "--dtype", settings.dtype, "--host", "127.0.0.1", "--port", str(self.port),
+                "--load-format", load_format,
+                "--shutdown-delay", "0", *quantization_flag(settings.quantization)]
         if lc is not None:
             argv += ["--model-loader-extra-config", json.dumps(lc)]
         if respawn:
@@ -193,9 +196,9 @@ def _pids(pattern: re.Pattern, text: str) -> list[int]:
     return [int(next(g for g in m.groups() if g is not None)) for m in pattern.finditer(text)]
 
 
-def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
+def respawn_samples(settings: BenchSettings, work: Path, lc: dict, n: int) -> dict:
     """``n`` kills of the serving worker under a steady client, and the spare's memory."""
-    s = Serving(args, work, "ipc_cache", lc, respawn=True)
+    s = Serving(settings, work, "ipc_cache", lc, respawn=True)
     try:
         kills, memory = [], {}
         for i in range(n):
@@ -230,12 +233,12 @@ def respawn_samples(args, work: Path, lc: dict, n: int) -> dict:
     return {"kills": kills, "memory": memory}
 
 
-def fresh_starts(args, work: Path, lc: dict | None, n: int) -> list[float]:
+def fresh_starts(settings: BenchSettings, work: Path, lc: dict | None, n: int) -> list[float]:
     """A fresh `wcache serve`, from its spawn to its first 200, ``n`` times: mapping the cache
     (``lc``, the daemon running) or from disk (None)."""
     out = []
     for _ in range(n):
-        s = Serving(args, work, "ipc_cache" if lc else "safetensors", lc, respawn=False)
+        s = Serving(settings, work, "ipc_cache" if lc else "safetensors", lc, respawn=False)
         try:
             out.append(round(s.first_200(), 4))
         finally:
@@ -243,37 +246,37 @@ def fresh_starts(args, work: Path, lc: dict | None, n: int) -> list[float]:
     return out
 
 
-def run_bench_respawn(args) -> int:
+def run_bench_respawn(settings: BenchSettings) -> int:
     work = short_private_dir("wcache-respawn-")  # short whatever TMPDIR is: a socket path fits
     try:
-        return _run_bench_respawn(args, work)
+        return _run_bench_respawn(settings, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # as `wcache bench` does: nothing left in /tmp
 
 
-def _run_bench_respawn(args, work: Path) -> int:
+def _run_bench_respawn(settings: BenchSettings, work: Path) -> int:
     from wcache.bench.host import environment
     from wcache.bench.processes import DaemonUnderTest
     from wcache.core.config import EngineConfig
 
-    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device)
-    args.device = cfg.device
-    n = max(1, args.repeat)
+    cfg = EngineConfig.build(settings.model, settings.dtype, settings.quantization, settings.device)
+    settings = replace(settings, device=cfg.device)  # what auto picked, for every engine of the run
+    n = max(1, settings.repeat)
     sockets = work / "s"
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")
     os.environ["TMPDIR"] = str(work)  # the children's temporary files (metrics of killed processes) go with it
     lc = {"socket_dir": str(sockets), "fallback": False}
-    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
-                             quantization=args.quantization)
+    daemon = DaemonUnderTest(cfg.model, cfg.device, settings.dtype, sockets, settings.transport,
+                             quantization=settings.quantization)
     try:
-        respawn = respawn_samples(args, work, lc, n)
-        starts = {"ipc_cache": fresh_starts(args, work, lc, n)}
+        respawn = respawn_samples(settings, work, lc, n)
+        starts = {"ipc_cache": fresh_starts(settings, work, lc, n)}
     finally:
         daemon.stop()
     # A restart from disk is an engine without a weight cache: on a device that also held the
     # daemon's copy, its KV cache would not fit (an H100's 80 GB at 14e8735: out of memory).
-    starts = {"safetensors": fresh_starts(args, work, None, n), **starts}
+    starts = {"safetensors": fresh_starts(settings, work, None, n), **starts}
     kills = respawn["kills"]
     # The phases of the median kill (medians of each phase would not add up to anything).
     median_kill = sorted(kills, key=lambda k: k["death_to_next_200_s"])[(len(kills) - 1) // 2]
@@ -289,7 +292,7 @@ def _run_bench_respawn(args, work: Path) -> int:
         "respawn": {"kills": kills, "memory": respawn["memory"]},
         "environment": environment(cfg.device),
         "model": {"path": cfg.model, "name": Path(cfg.model).name, "dtype": cfg.dtype_name},
-        "transport": args.transport if cfg.device == "cuda" else "memfd",
+        "transport": settings.transport if cfg.device == "cuda" else "memfd",
         "repeat": n,
         "phases": PHASES,
         "median_kill_phases_s": median_kill["phases_s"],
@@ -306,9 +309,9 @@ def _run_bench_respawn(args, work: Path) -> int:
         "refused_connections": sum(k["refused"] for k in kills),
     }
     text = json.dumps(result, indent=2)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    print(text if args.json else render_table(result))
+    if settings.output:
+        Path(settings.output).write_text(text + "\n")
+    print(text if settings.json else render_table(result))
     return 0
 
 

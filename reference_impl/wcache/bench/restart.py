@@ -32,6 +32,7 @@ import time
 from wcache.bench.api import complete
 from wcache.bench.failure import bench_failure, log_tail
 from wcache.bench.processes import tree_rss_bytes
+from wcache.bench.settings import BenchSettings
 from wcache.daemon.rank import START_PHASES
 from wcache.errors import ADOPTED, ARENA_RECORDED, LEASED_AGAIN, STANDING_BY, BenchError, LEASE_LOST
 
@@ -89,7 +90,7 @@ def _wait_for(text, needle: str, timeout: float, what: str, *procs) -> None:
         time.sleep(0.02)
 
 
-def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
+def handback_restart(settings: BenchSettings, work, daemon, lc, new_daemon, kind: str) -> dict:
     """The first start and the adopting restart of one run, with their phases and the floor. Returns
     the result with the daemon left running under "daemon" (the caller stops it)."""
     from wcache.bench.start import EngineUnderTest
@@ -98,11 +99,11 @@ def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
     if kind not in HANDED_BACK_KINDS:
         return {"daemon": daemon, "skipped": f"a {kind} arena cannot be handed back (its handle dies with the "
                                               "daemon that exported it), so no restart adopts one"}
-    floor = floor_seconds(args.device, max(1, args.repeat))
+    floor = floor_seconds(settings.device, max(1, settings.repeat))
     daemon.stop()  # a first start of its own, timed phase by phase like the restart
     first, first_phases = _timed_start(new_daemon)
     try:
-        eng = EngineUnderTest(args, work, "ipc_cache", lc)
+        eng = EngineUnderTest(settings, work, "ipc_cache", lc)
     except BaseException:
         first.stop()
         raise
@@ -124,7 +125,7 @@ def handback_restart(args, work, daemon, lc, new_daemon, kind: str) -> dict:
         restart = {"transport": kind, "first_start_to_ready_s": round(first.ready_s, 4),
                    "restart_to_ready_s": round(again.ready_s, 4), "adopted": adopted,
                    "first_start_phases_s": first_phases, "restart_phases_s": phases,
-                   "floor_command": FLOOR[args.device], "floor_s": round(med_floor, 4),
+                   "floor_command": FLOOR[settings.device], "floor_s": round(med_floor, 4),
                    "floor_samples": [round(f, 4) for f in floor],
                    "restart_over_first_start": round(again.ready_s / first.ready_s, 3),
                    "restart_minus_floor_s": round(again.ready_s - med_floor, 4)}

@@ -20,6 +20,7 @@ from pathlib import Path
 from wcache.bench.handoff import sample_in_fresh_process
 from wcache.bench.host import environment
 from wcache.bench.processes import DaemonUnderTest
+from wcache.bench.settings import BenchSettings
 from wcache.core.config import EngineConfig
 from wcache.core.fingerprint import RACY_WINDOW_NS, checkpoint_digest
 from wcache.engine.loading.config import LoaderConfig
@@ -36,20 +37,20 @@ def warm_page_cache(model: str) -> None:
                 pass
 
 
-def run_bench(args) -> int:
+def run_bench(settings: BenchSettings) -> int:
     # Short whatever TMPDIR is: the daemon's socket (named after its device) goes in it. Removed at
     # the end, logs included (a failure prints their last lines itself, failure.py).
     work = short_private_dir("wcache-bench-")
     try:
-        return _run_bench(args, work)
+        return _run_bench(settings, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_bench(args, work: Path) -> int:
-    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device)
+def _run_bench(settings: BenchSettings, work: Path) -> int:
+    cfg = EngineConfig.build(settings.model, settings.dtype, settings.quantization, settings.device)
     env = environment(cfg.device)
-    n = max(1, args.repeat)
+    n = max(1, settings.repeat)
     sockets = work / "s"
     sockets.mkdir(mode=0o700)
     os.environ["WCACHE_CACHE_ROOT"] = str(work / "cache")  # a cold fingerprint memo for this run
@@ -71,16 +72,16 @@ def _run_bench(args, work: Path) -> int:
     key_cached = time.perf_counter() - t0
 
     warm_page_cache(cfg.model)  # the baseline is a warm-cache disk load
-    disk = [sample_in_fresh_process(args, "safetensors")["seconds"] for _ in range(n)]
+    disk = [sample_in_fresh_process(settings, "safetensors")["seconds"] for _ in range(n)]
 
     zero_copy, copy, phases, copy_phases = [], [], [], []
     lc_zero = LoaderConfig(mode="zero_copy", fallback=True, socket_dir=str(sockets))
     lc_copy = LoaderConfig(mode="copy", fallback=True, socket_dir=str(sockets))
-    daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
-                                     quantization=args.quantization)
+    daemon = DaemonUnderTest(cfg.model, cfg.device, settings.dtype, sockets, settings.transport,
+                                     quantization=settings.quantization)
     try:
         for _ in range(n):
-            r = sample_in_fresh_process(args, "ipc_cache", lc_zero)
+            r = sample_in_fresh_process(settings, "ipc_cache", lc_zero)
             zero_copy.append(r["seconds"])
             phases.append(r["phases"])
             tensors, tensors_kind = r["tensors"], r["transport"]
@@ -88,22 +89,23 @@ def _run_bench(args, work: Path) -> int:
             # Copy mode releases the daemon's weights, so each sample gets a fresh daemon.
             if i:
                 daemon.stop()
-                daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
-                                     quantization=args.quantization)
-            r = sample_in_fresh_process(args, "ipc_cache", lc_copy)
+                daemon = DaemonUnderTest(cfg.model, cfg.device, settings.dtype, sockets, settings.transport,
+                                     quantization=settings.quantization)
+            r = sample_in_fresh_process(settings, "ipc_cache", lc_copy)
             copy.append(r["seconds"])
             copy_phases.append(r["phases"])
             nbytes = r["nbytes"]
         # The restart a user lives through: engine process start to /health 200, disk and cache.
         daemon.stop()
-        daemon = DaemonUnderTest(cfg.model, cfg.device, args.dtype, sockets, args.transport,
-                                     quantization=args.quantization)
+        daemon = DaemonUnderTest(cfg.model, cfg.device, settings.dtype, sockets, settings.transport,
+                                     quantization=settings.quantization)
         from wcache.bench.restart import handback_restart
         from wcache.bench.start import engine_starts
 
-        engine_start = engine_starts(args, work, lc_zero, n)
-        handback = handback_restart(args, work, daemon, lc_zero, lambda **kw: DaemonUnderTest(
-            cfg.model, cfg.device, args.dtype, sockets, args.transport, quantization=args.quantization, **kw),
+        engine_start = engine_starts(settings, work, lc_zero, n)
+        handback = handback_restart(settings, work, daemon, lc_zero, lambda **kw: DaemonUnderTest(
+            cfg.model, cfg.device, settings.dtype, sockets, settings.transport, quantization=settings.quantization,
+            **kw),
             tensors_kind)
         daemon = handback.pop("daemon")
     finally:
@@ -135,9 +137,9 @@ def _run_bench(args, work: Path) -> int:
         "key_first_sight_bytes_hashed": first_stats["bytes_hashed"],
     }
     text = json.dumps(result, indent=2)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    if args.json:
+    if settings.output:
+        Path(settings.output).write_text(text + "\n")
+    if settings.json:
         print(text)
     else:
         print(render_table(result))

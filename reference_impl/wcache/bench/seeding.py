@@ -35,6 +35,7 @@ from pathlib import Path
 from wcache.bench.api import free_port
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import DaemonUnderTest
+from wcache.bench.settings import BenchSettings
 from wcache.wire.sockets import short_private_dir
 
 TOKEN_ENV = "WCACHE_SEED_TOKEN"
@@ -87,9 +88,9 @@ def small_files(model: Path, dest: Path) -> Path:
 
 
 class Bench:
-    def __init__(self, args, work: Path):
-        self.args, self.work = args, work
-        self.bare = small_files(Path(args.model), work / "bare")
+    def __init__(self, settings: BenchSettings, work: Path):
+        self.settings, self.work = settings, work
+        self.bare = small_files(Path(settings.model), work / "bare")
         self.n = 0
 
     def daemon(self, model, *extra: str, wait: bool = True, name: str = "replica") -> DaemonUnderTest:
@@ -98,12 +99,12 @@ class Bench:
         sockets.mkdir(mode=0o700)
         # each daemon its own cache root: a replica on another host has no digest memo, no autotune file
         env = {"WCACHE_CACHE_ROOT": str(self.work / f"root{self.n}")}
-        return DaemonUnderTest(str(model), self.args.device, self.args.dtype, sockets, extra=extra, wait=wait,
-                               log_name=f"{name}-{self.n}.log", env=env)
+        return DaemonUnderTest(str(model), self.settings.device, self.settings.dtype, sockets, extra=extra,
+                               wait=wait, log_name=f"{name}-{self.n}.log", env=env)
 
     def source(self, window: float) -> tuple[DaemonUnderTest, str]:
         address = f"127.0.0.1:{free_port()}"
-        return self.daemon(self.args.model, "--weight-cache-seed-listen", address,
+        return self.daemon(self.settings.model, "--weight-cache-seed-listen", address,
                            "--weight-cache-seed-round-window", str(window), name="source"), address
 
     def replicas(self, address: str, n: int) -> tuple[float, list[dict]]:
@@ -134,15 +135,15 @@ def _round(source: DaemonUnderTest, replicas: int) -> dict:
     return {"how": m.group(2), "seconds": float(m.group(3)), "bytes_sent": int(m.group(4)), "arena": int(m.group(5))}
 
 
-def run_bench_seed(args) -> int:
+def run_bench_seed(settings: BenchSettings) -> int:
     from wcache.bench.host import environment
     from wcache.core.config import EngineConfig
 
-    cfg = EngineConfig.build(args.model, args.dtype, None, args.device)
+    cfg = EngineConfig.build(settings.model, settings.dtype, None, settings.device)
     work = short_private_dir("wcache-seed-")
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())  # every daemon of the run inherits it
-    fan, window, repeat = args.seed_replicas, args.seed_window, max(1, args.repeat)
-    bench = Bench(args, work)
+    fan, window, repeat = settings.seed_replicas, settings.seed_window, max(1, settings.repeat)
+    bench = Bench(settings, work)
     try:
         src, address = bench.source(0.0)
         singles, seeds, rounds = [], [], []
@@ -153,7 +154,7 @@ def run_bench_seed(args) -> int:
             rounds.append(_round(src, 1))
         disk = []
         for _ in range(repeat):  # its autotune cache from the source as well: only the weights differ
-            d = bench.daemon(args.model, "--weight-cache-seed", address, "--weight-cache-seed-weights", "never",
+            d = bench.daemon(settings.model, "--weight-cache-seed", address, "--weight-cache-seed-weights", "never",
                              name="disk")
             disk.append(d.ready_s)
             d.stop()
@@ -169,7 +170,7 @@ def run_bench_seed(args) -> int:
         shutil.rmtree(work, ignore_errors=True)
     seed_s, raw_s = statistics.median(seeds), statistics.median(raw)
     single_s = statistics.median(singles)
-    record = {**environment(cfg.device), "model": Path(args.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
+    record = {**environment(cfg.device), "model": Path(settings.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
               "model_bytes": model_bytes,
               "seed_gb_per_s": round(model_bytes / seed_s / 1e9, 3), "raw_tcp_gb_per_s": round(model_bytes / raw_s / 1e9, 3),
               "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
@@ -185,7 +186,7 @@ def run_bench_seed(args) -> int:
     record[f"fanout_{fan}_vs_single"] = round(fan_s / single_s, 3)
     record[f"source_bytes_sent_{fan}_vs_model"] = round(fan_round["bytes_sent"] / model_bytes, 4)
     text = json.dumps(record, indent=2)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    if settings.output:
+        Path(settings.output).write_text(text + "\n")
     print(text)
     return 0

@@ -20,25 +20,30 @@ from pathlib import Path
 from wcache.bench.api import free_port, healthy
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import quantization_flag, terminate
+from wcache.bench.settings import BenchSettings
 
 ENGINE_PHASES = ("interpreter", "imports", "cuda_context", "weights", "autotune", "activation_peak", "kv_alloc", "other")
 START_TIMEOUT_S = 1800  # to /health 200, a large checkpoint read from a cold disk included
 SETTLE_S = 2.0  # after a disk engine stops, before the next timed start
-_BOOT = ("import time; T0 = time.monotonic(); import json, sys; from wcache.bench.timed_serve import serve_timed; "
-         "serve_timed(T0, sys.argv[1], sys.argv[2:])")
+# The timed engine's program: the command line's own `wcache serve`, with timed_serve.py's timers.
+# The context starts before the command line's modules import, as `wcache serve` starts it.
+_BOOT = ("import time; T0 = time.monotonic(); import sys; from wcache.engine import early_context; "
+         "early_context.start(sys.argv[sys.argv.index('serve') + 1:]); from wcache.bench.timed_serve import "
+         "serve_timed; from wcache.cli import main; sys.exit(serve_timed(T0, sys.argv[1], sys.argv[2:], main))")
 
 
 class EngineUnderTest:
     """One `wcache serve` process (timed), from spawn to /health 200, then stopped by the caller."""
 
-    def __init__(self, args, work: Path, load_format: str, lc=None):
+    def __init__(self, settings: BenchSettings, work: Path, load_format: str, lc=None):
         self.port = free_port()
         self.marks_path = work / f"marks-{self.port}.jsonl"
         self.log_path = work / f"engine-{self.port}.log"
-        argv = ["--log-level", "INFO", "serve", args.model, "--device", args.device, "--dtype", args.dtype,
+        argv = ["--log-level", "INFO", "serve", settings.model, "--device", settings.device,
+                "--dtype", settings.dtype,
                 "--host", "127.0.0.1", "--port", str(self.port), "--load-format", load_format,
                 # the bench stops what it started, and nobody routes to it: no accepting grace
-                "--shutdown-delay", "0", *quantization_flag(getattr(args, "quantization", None))]
+                "--shutdown-delay", "0", *quantization_flag(settings.quantization)]
         if lc is not None:
             argv += ["--model-loader-extra-config", json.dumps({k: v for k, v in asdict(lc).items()
                                                                 if k in ("mode", "socket_dir", "fallback")})]
@@ -84,10 +89,10 @@ _FLOOR = ("import time; T0 = time.monotonic(); import json, sys; T1 = time.monot
           "print(json.dumps([T0, T2, time.monotonic()]))")
 
 
-def start_floor(args) -> dict:
+def start_floor(settings: BenchSettings) -> dict:
     """One floor sample: seconds from spawn to torch imported and the CUDA context made, by phase."""
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", _FLOOR, args.device], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _FLOOR, settings.device], capture_output=True, text=True,
                          timeout=START_TIMEOUT_S)
     if out.returncode != 0:
         raise bench_failure("the start floor (import torch, CUDA context)", "interpreter", out.stderr,
@@ -97,27 +102,27 @@ def start_floor(args) -> dict:
     return {"seconds": end - t0, "phases": phases}
 
 
-def engine_start(args, work: Path, load_format: str, lc=None) -> dict:
-    eng = EngineUnderTest(args, work, load_format, lc)
+def engine_start(settings: BenchSettings, work: Path, load_format: str, lc=None) -> dict:
+    eng = EngineUnderTest(settings, work, load_format, lc)
     try:
         return {"seconds": eng.seconds, "phases": eng.phases()}
     finally:
         eng.stop()
 
 
-def engine_starts(args, work: Path, lc, n: int) -> dict:
+def engine_starts(settings: BenchSettings, work: Path, lc, n: int) -> dict:
     """``n`` engine starts from disk and via the cache (``lc``, a daemon serving), and ``n`` floors,
     after one start that is not kept (the run's first); their summary."""
-    engine_start(args, work, "ipc_cache", lc)  # not kept: the first start of the run
+    engine_start(settings, work, "ipc_cache", lc)  # not kept: the first start of the run
     starts = {"disk": [], "ipc_cache": []}
     floor = []
     for _ in range(n):
         # The floor and the cache start side by side on a quiet host; the disk start last, then a
         # pause: the driver frees a disk engine's weights after its process has gone, and a start
         # meanwhile would pay for that.
-        floor.append(start_floor(args))
-        starts["ipc_cache"].append(engine_start(args, work, "ipc_cache", lc))
-        starts["disk"].append(engine_start(args, work, "safetensors"))
+        floor.append(start_floor(settings))
+        starts["ipc_cache"].append(engine_start(settings, work, "ipc_cache", lc))
+        starts["disk"].append(engine_start(settings, work, "safetensors"))
         time.sleep(SETTLE_S)
     starts["floor"] = floor
     return summary(starts)

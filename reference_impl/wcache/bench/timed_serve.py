@@ -1,17 +1,23 @@
 """The engine side of the bench's engine-start measurement (start.py): `wcache serve` with its
-start-up steps timed. Run as ``python -c`` by the bench, so it imports the command line (wcache.cli),
-which imports the bench: a module of its own keeps that from being a loop.
+start-up steps timed.
+
+The engine under test is a `wcache serve` process like any other: its program (start.py's ``_BOOT``,
+run as ``python -c``) is the command line's entry point, handed to ``serve_timed`` after these timers
+are in place. The bench itself never imports the command line, which sits above it (the command
+line runs `wcache bench`): the two meet only in that child process, as ``python -m wcache.cli``
+meets the bench's other engines.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 
-def serve_timed(t0: float, marks_path: str, argv: list[str]) -> int:
-    """`wcache serve argv` with its start-up steps timed into ``marks_path`` (one JSON line each)."""
+def serve_timed(t0: float, marks_path: str, argv: list[str], main) -> int:
+    """`wcache serve argv`, run by ``main`` (the command line's entry point), with its start-up steps
+    timed into ``marks_path`` (one JSON line each). The CUDA context is asked for first, as
+    ``main`` does for `wcache serve` (engine/early_context.py; asking twice starts it once)."""
     marks = open(marks_path, "a", buffering=1)
 
     def mark(phase: str, start: float) -> None:
@@ -19,8 +25,7 @@ def serve_timed(t0: float, marks_path: str, argv: list[str]) -> int:
 
     from wcache.engine import early_context
 
-    early_context.start(argv[argv.index("serve") + 1:])  # as wcache.cli.main does for `wcache serve`, first
-    from wcache import cli
+    early_context.start(argv[argv.index("serve") + 1:])
     from wcache.core import autotune
     from wcache.engine import engine, memory, runner, server  # noqa: F401  (what `wcache serve` imports)
     from wcache.model.llama import Llama
@@ -56,4 +61,4 @@ def serve_timed(t0: float, marks_path: str, argv: list[str]) -> int:
     autotune.prepare_engine = timed("autotune", autotune.prepare_engine)
     memory.measure_activation_peak = timed("activation_peak", memory.measure_activation_peak)
     Llama.new_cache = timed("kv_alloc", Llama.new_cache, skip_inside_measure=True)
-    sys.exit(cli.main(argv))
+    return main(argv)

@@ -4,6 +4,10 @@ The command line's package: the flags of every command are in flags.py, the pars
 in parser.py and `wcache wait` in wait.py; this module, the entry point (``wcache`` and ``python -m
 wcache.cli``), picks the command and runs it. It imports its own modules, so they import none of
 each other (a module of this package that imported a sibling would load this one first: a loop).
+
+argparse's namespace stops here: each command gets its typed settings, built once from it
+(core/settings.py). `wcache serve` is the exception for now: run_serve and --respawn still take
+the namespace, and build the engine's settings from it themselves.
 """
 
 from __future__ import annotations
@@ -100,6 +104,29 @@ def cmd_serve(args) -> int:
     return run_serve(args, loader_config)
 
 
+def cmd_bench(args) -> int:
+    """`wcache bench`: the measurement its flags pick, with the run's settings."""
+    from wcache.bench.settings import BenchSettings
+    from wcache.core.settings import from_flags
+
+    settings = from_flags(BenchSettings, args)
+    if args.health_under_load:
+        from wcache.bench.health import run_bench_health
+
+        return run_bench_health(settings)
+    if args.seed:
+        from wcache.bench.seeding import run_bench_seed
+
+        return run_bench_seed(settings)
+    if args.respawn:
+        from wcache.bench.respawn import run_bench_respawn
+
+        return run_bench_respawn(settings)
+    from wcache.bench.run import run_bench
+
+    return run_bench(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     no_dump.forbid()  # the engine's and the launcher's memory, sockets and keys: see core/no_dump.py
     argv = sys.argv[1:] if argv is None else argv
@@ -133,25 +160,12 @@ def _main(argv: list[str], command: str | None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "preload":
-            from wcache.daemon.launcher import run_preload
+            from wcache.core.settings import from_flags
+            from wcache.daemon.launcher import PreloadSettings, run_preload
 
-            return run_preload(args)
-        if args.command == "bench" and args.health_under_load:
-            from wcache.bench.health import run_bench_health
-
-            return run_bench_health(args)
-        if args.command == "bench" and args.seed:
-            from wcache.bench.seeding import run_bench_seed
-
-            return run_bench_seed(args)
-        if args.command == "bench" and args.respawn:
-            from wcache.bench.respawn import run_bench_respawn
-
-            return run_bench_respawn(args)
+            return run_preload(from_flags(PreloadSettings, args))
         if args.command == "bench":
-            from wcache.bench.run import run_bench
-
-            return run_bench(args)
+            return cmd_bench(args)
         if args.command == "wait":
             from wcache.cli.wait import run_wait
 

@@ -133,19 +133,41 @@ def check_model_fits(hf: dict, tp: int, pp: int) -> None:
     quant.resolve(None, hf).check_layout(hf, tp)
 
 
-def layout_from_args(args, hf: dict, device: str = "cpu") -> RankLayout:
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The parallel flags of `wcache serve` and `wcache preload` (add_parallel_args in cli/flags.py),
+    plus each command's own: the engine's --data-parallel-rank, the daemons' rendezvous ports.
+    Checked against each other and the model by plan_layout, plan_engine and plan_daemons."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    speculative_config: str | None = None  # the flag's JSON text (core/speculative.py parses it)
+    data_parallel_rank: int | None = None  # wcache serve only
+    weight_cache_master_port: int | None = None  # wcache preload only
+    weight_cache_draft_master_port: int | None = None  # wcache preload only
+
+
+def plan_layout(p: ParallelSettings, hf: dict, device: str = "cpu") -> RankLayout:
     """Validate the parallel flags against each other and the model; this node's block of ranks."""
-    tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
+    tp, pp, dp = p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size
     for flag, value in (("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp),
-                        ("--data-parallel-size", dp), ("--nnodes", args.nnodes)):
+                        ("--data-parallel-size", dp), ("--nnodes", p.nnodes)):
         if value < 1:
             raise ParallelConfigError(AT_LEAST_ONE.format(flag=flag, value=value))
-    nnodes, node_rank = args.nnodes, args.node_rank
+    nnodes, node_rank = p.nnodes, p.node_rank
     if not 0 <= node_rank < nnodes:
         raise ParallelConfigError(NODE_RANK_RANGE.format(last=nnodes - 1, nnodes=nnodes, value=node_rank))
     check_model_fits(hf, tp, pp)
     world = tp * pp * dp
-    dp_local, dp_start = args.data_parallel_size_local, args.data_parallel_start_rank
+    dp_local, dp_start = p.data_parallel_size_local, p.data_parallel_start_rank
     if dp == 1 and (dp_local not in (None, 1) or dp_start not in (None, 0)):
         raise ParallelConfigError(DP_FLAGS_WITHOUT_DP)
     if dp > 1 and (dp_local is not None or dp_start is not None):
@@ -168,8 +190,8 @@ def layout_from_args(args, hf: dict, device: str = "cpu") -> RankLayout:
     if device == "cuda":
         if count > (visible := cuda_device_count()):
             raise ParallelConfigError(TOO_FEW_GPUS.format(n=count, m=visible))
-    addr = (getattr(args, "data_parallel_address", None) if dp > 1 else None) or args.master_addr
-    return RankLayout(tp, pp, dp, nnodes, node_rank, first, count, addr, args.master_port)
+    addr = (p.data_parallel_address if dp > 1 else None) or p.master_addr
+    return RankLayout(tp, pp, dp, nnodes, node_rank, first, count, addr, p.master_port)
 
 
 def free_port() -> int:
@@ -189,13 +211,13 @@ class DaemonPlan:
         return f"{self.layout.describe()}; roles: {roles}"
 
 
-def plan_daemons(args, cfg) -> DaemonPlan:
+def plan_daemons(p: ParallelSettings, cfg) -> DaemonPlan:
     """Validate the flags of ``wcache preload``; one entry per daemon group (target, maybe draft)."""
-    layout = layout_from_args(args, cfg.hf, cfg.device)
-    port = args.weight_cache_master_port
+    layout = plan_layout(p, cfg.hf, cfg.device)
+    port = p.weight_cache_master_port
     if layout.spans_nodes and port is None:
         raise ParallelConfigError(MASTER_PORT_REQUIRED)
-    if port is not None and port == args.master_port:
+    if port is not None and port == p.master_port:
         raise ParallelConfigError(MASTER_PORT_CLASH.format(port=port))
     if port is None:
         port = free_port()
@@ -206,11 +228,11 @@ def plan_daemons(args, cfg) -> DaemonPlan:
                 "backend": backend}
 
     groups = [{"draft": False, "world": world(port)}]
-    spec = parse_speculative_config(getattr(args, "speculative_config", None))
+    spec = parse_speculative_config(p.speculative_config)
     if spec is not None:
         check_draft(spec, cfg.hf, layout.tp, layout.pp)
         if spec.cached:
-            draft_port = args.weight_cache_draft_master_port
+            draft_port = p.weight_cache_draft_master_port
             if draft_port is None:
                 draft_port = port + 1 if layout.spans_nodes else free_port()
             if draft_port == port:
@@ -246,9 +268,9 @@ class EnginePlan:
         return f"tcp://{self.layout.master_addr}:{self.layout.master_port}"
 
 
-def plan_engine(args, hf: dict, device: str) -> EnginePlan:
-    layout = layout_from_args(args, hf, device)
-    dp_rank = getattr(args, "data_parallel_rank", None)
+def plan_engine(p: ParallelSettings, hf: dict, device: str) -> EnginePlan:
+    layout = plan_layout(p, hf, device)
+    dp_rank = p.data_parallel_rank
     if layout.dp > 1 and dp_rank is None:
         raise ParallelConfigError(DP_RANK_REQUIRED.format(last=layout.dp - 1))
     dp_rank = dp_rank or 0

@@ -22,18 +22,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from wcache.model.quant import refuse_for_cache
 from wcache.core import checkpoint, fp8_check, seeded_checkpoint
 from wcache.core.config import EngineConfig, Ranks
+from wcache.core.ranks import ParallelSettings, plan_daemons
 from wcache.core.device import device_identity
 from wcache.core.stop_flag import StopFlag
 from wcache.daemon import prewarm
 from wcache.daemon.metrics import LauncherMetrics
-from wcache.daemon.seed import preload_seed_settings
+from wcache.daemon.seed import SeedSettings, preload_seed_settings
 from wcache.errors import (
     STANDBY_STOPPED,
     STANDING_BY,
@@ -116,12 +117,34 @@ def start_health_server(host: str, port: int, health: Health, metrics: LauncherM
     return server
 
 
-def plan_local_ranks(args, cfg):
+@dataclass(frozen=True)
+class PreloadSettings:
+    """`wcache preload`'s flags (add_preload_command_args in cli/flags.py), built once by the command
+    line (core/settings.py); run_preload checks what the flags alone decide before any rank starts."""
+
+    model: str
+    dtype: str = "auto"
+    quantization: str | None = None
+    device: str = "auto"
+    revision: str | None = None
+    load_format: str = "auto"
+    enable_autotune: bool = True
+    weight_cache_socket_dir: str | None = None
+    weight_cache_health_port: int | None = None
+    weight_cache_health_host: str = "0.0.0.0"
+    weight_cache_transport: str = "auto"
+    weight_cache_adopt: bool = True
+    weight_cache_standby: bool = False
+    weight_cache_stop_timeout: float = 30.0
+    weight_cache_rehash: bool = False
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    seeding: SeedSettings = field(default_factory=SeedSettings)
+
+
+def plan_local_ranks(settings: PreloadSettings, cfg):
     """This node's daemon ranks and groups (target, plus the draft with a cached speculative
     method), after validating the parallel flags; see ranks.py for the layout."""
-    from wcache.core.ranks import plan_daemons
-
-    return plan_daemons(args, cfg)
+    return plan_daemons(settings.parallel, cfg)
 
 
 def _group_spec(spec: dict, group: dict, seed) -> dict:
@@ -179,34 +202,35 @@ class RankProcess:
         self.info: dict | None = None
 
 
-def run_preload(args) -> int:
-    if args.load_format == "ipc_cache":
+def run_preload(settings: PreloadSettings) -> int:
+    if settings.load_format == "ipc_cache":
         raise PreloadConfigError("--load-format ipc_cache cannot be used with `wcache preload`: "
                                  "the daemon itself must load the weights from disk")
-    if not args.weight_cache_stop_timeout > 0:  # also NaN
-        raise PreloadConfigError(STOP_TIMEOUT_INVALID.format(value=args.weight_cache_stop_timeout))
-    cfg = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
+    if not settings.weight_cache_stop_timeout > 0:  # also NaN
+        raise PreloadConfigError(STOP_TIMEOUT_INVALID.format(value=settings.weight_cache_stop_timeout))
+    cfg = EngineConfig.build(settings.model, settings.dtype, settings.quantization, settings.device,
+                             revision=settings.revision)
     refuse_for_cache(cfg.quant)
     # Broken shards and FP8 values stop the launcher with their own line, before any rank starts. A
     # replica without shards that seeds its weights has none to check: the seed's digests check them.
-    if seeded_checkpoint.has_shards(Path(cfg.model)) or not getattr(args, "weight_cache_seed", None):
+    if seeded_checkpoint.has_shards(Path(cfg.model)) or not settings.seeding.weight_cache_seed:
         fp8_check.check(cfg.model, checkpoint.shard_files(cfg.model), cfg.quant)
-    plan = plan_local_ranks(args, cfg)
+    plan = plan_local_ranks(settings, cfg)
     log.info("Daemon plan: %s", plan.describe())
     planned = plan.layout.local_ranks()
-    seeding = preload_seed_settings(args)  # flags only: every check that needs no lock comes first
+    seeding = preload_seed_settings(settings.seeding)  # flags only: every check that needs no lock comes first
     seeds = seeding["seeds"]
     if seeds is not None and len(seeds) != len(planned):
         raise SeedConfigError(SeedConfigError.COUNT.format(given=len(seeds), ranks=len(planned)))
     stop = StopFlag()  # set by signal handlers: no lock (core/stop_flag.py)
-    if getattr(args, "weight_cache_standby", False):
-        locks = _stand_by(args, cfg, plan, planned, stop)
+    if settings.weight_cache_standby:
+        locks = _stand_by(settings, cfg, plan, planned, stop)
         if locks is None:
             return 0
     else:
-        locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups)
+        locks = claim_rank_sockets(settings.weight_cache_socket_dir, cfg.device, planned, plan.groups)
     try:
-        return _run_ranks(args, cfg, plan, planned, locks, seeding, stop)
+        return _run_ranks(settings, cfg, plan, planned, locks, seeding, stop)
     finally:
         for lock in locks:
             lock.release()  # those not handed to a rank: an error before every rank started
@@ -216,7 +240,7 @@ class _StandbyStopped(Exception):
     pass
 
 
-def _stand_by(args, cfg, plan, planned, stop: StopFlag) -> list[DaemonLock] | None:
+def _stand_by(settings: PreloadSettings, cfg, plan, planned, stop: StopFlag) -> list[DaemonLock] | None:
     """The locks of every rank, waiting for a running daemon to stop if one holds them; None when a
     stop signal came first. While it waits, every rank's interpreter has imported (prewarm.py) and
     nothing else has happened: no CUDA context, no weight read, no record, no socket, no port."""
@@ -239,7 +263,8 @@ def _stand_by(args, cfg, plan, planned, stop: StopFlag) -> list[DaemonLock] | No
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
     try:
-        locks = claim_rank_sockets(args.weight_cache_socket_dir, cfg.device, planned, plan.groups, on_wait)
+        locks = claim_rank_sockets(settings.weight_cache_socket_dir, cfg.device, planned, plan.groups,
+                                   on_wait)
         waiting[0] = False
     except _StandbyStopped as e:
         log.info(STANDBY_STOPPED.format(signal=e))
@@ -249,24 +274,24 @@ def _stand_by(args, cfg, plan, planned, stop: StopFlag) -> list[DaemonLock] | No
     return locks
 
 
-def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
+def _run_ranks(settings: PreloadSettings, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
     """Start a rank per lock (handing each its lock), report readiness, and stop them all at the end."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.set())
     health = Health()
     metrics = LauncherMetrics(health, [lock.path for lock in locks])  # before the ranks: they write to it
     server = None
-    if args.weight_cache_health_port is not None:
-        server = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, health, metrics,
-                                     wait_s=HEALTH_PORT_TAKEOVER_S if any(lock.waited for lock in locks) else 0.0)
+    if settings.weight_cache_health_port is not None:
+        server = start_health_server(settings.weight_cache_health_host, settings.weight_cache_health_port, health,
+                                     metrics, wait_s=HEALTH_PORT_TAKEOVER_S if any(lock.waited for lock in locks) else 0.0)
 
-    spec = {"model": cfg.model, "dtype": args.dtype, "quantization": args.quantization, "device": cfg.device,
-            "revision": args.revision, "socket_dir": args.weight_cache_socket_dir,
-            "transport": args.weight_cache_transport, "adopt": args.weight_cache_adopt,
-            "rehash": getattr(args, "weight_cache_rehash", False), "metrics_dir": metrics.directory,
+    spec = {"model": cfg.model, "dtype": settings.dtype, "quantization": settings.quantization, "device": cfg.device,
+            "revision": settings.revision, "socket_dir": settings.weight_cache_socket_dir,
+            "transport": settings.weight_cache_transport, "adopt": settings.weight_cache_adopt,
+            "rehash": settings.weight_cache_rehash, "metrics_dir": metrics.directory,
             "log_level": logging.getLevelName(logging.getLogger().level)}
     t0 = time.perf_counter()
-    spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
+    spec.update(autotune=settings.enable_autotune, seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"], seed_weights=seeding["seed_weights"],
                 seed_window_s=seeding["seed_window_s"], seed_stall_s=seeding["seed_stall_s"])
     seeds = seeding["seeds"]
@@ -289,7 +314,7 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
                     for r in dead:  # after the line: the metrics' bookkeeping may first import prometheus_client
                         metrics.rank_exited(r.proc.pid)
     finally:
-        killed = _stop_all(ranks, args.weight_cache_stop_timeout)
+        killed = _stop_all(ranks, settings.weight_cache_stop_timeout)
         if server is not None:
             server.shutdown()
             server.server_close()

@@ -4,14 +4,13 @@ Started by the launcher as a fresh interpreter (``python -m wcache.daemon.rank``
 after torch has run a parallel op can deadlock the child. The launcher passes a JSON spec in the
 environment and a pipe descriptor on which the rank reports, as one JSON line, that it serves.
 
-Order matters. The lock comes first (the launcher takes it before starting the rank): a second
-daemon for the device stops before it reads a weight, writes a record or touches the device. Then,
-as upstream: load and post-process, pack, free the transients, and only then bind the socket, so an
-engine never sees a socket of a daemon that is not ready. Connections are served on threads; every request is bounded in size, shape and total time
-(protocol.recv_frame), all requests together in bytes held (FrameBudget), every connection to one
-unread answer carrying a descriptor, and the daemon's descriptor table so that clients can never
-fill it (fd_reserve). A bad frame gets an error reply and a closed connection while the daemon
-keeps serving others.
+Order matters. The lock comes first (the launcher takes it before starting the rank): a second daemon for the
+device stops before it reads a weight, writes a record or touches the device. Then, as upstream: load and
+post-process, pack, free the transients, and only then bind the socket, so an engine never sees a socket of a
+daemon that is not ready. Connections are served on threads; every request is bounded in size, shape and total
+time (protocol.recv_frame), all requests together in bytes held (FrameBudget), every connection to one unread
+answer carrying a descriptor, and the daemon's descriptor table so that clients can never fill it
+(fd_reserve). A bad frame gets an error reply and a closed connection while the daemon keeps serving others.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from wcache.core import autotune
@@ -66,27 +67,39 @@ def parse_address(value: str, flag: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def preload_seed_settings(args) -> dict:
+@dataclass(frozen=True)
+class SeedSettings:
+    """`wcache preload`'s seeding flags (add_preload_args in cli/flags.py), as given."""
+
+    weight_cache_seed_listen: str | None = None
+    weight_cache_seed_token: str | None = None
+    weight_cache_seed: str | None = None
+    weight_cache_seed_weights: str = "auto"
+    weight_cache_seed_round_window: float | None = None
+    weight_cache_seed_stall_timeout: float | None = None
+
+
+def preload_seed_settings(s: SeedSettings) -> dict:
     """The seeding part of a rank spec from `wcache preload` flags, validated before any rank starts."""
-    token = args.weight_cache_seed_token or os.environ.get(TOKEN_ENV) or None
+    token = s.weight_cache_seed_token or os.environ.get(TOKEN_ENV) or None
     listen = seeds = None
-    if args.weight_cache_seed_listen:
+    if s.weight_cache_seed_listen:
         if not token:
             raise SeedConfigError(SeedConfigError.LISTEN_WITHOUT_TOKEN)
-        listen = parse_address(args.weight_cache_seed_listen, "--weight-cache-seed-listen")
-    if args.weight_cache_seed:
+        listen = parse_address(s.weight_cache_seed_listen, "--weight-cache-seed-listen")
+    if s.weight_cache_seed:
         if not token:
             raise SeedConfigError(SeedConfigError.SEED_WITHOUT_TOKEN)
         seeds = [f"{h}:{p}" for h, p in (parse_address(a, "--weight-cache-seed")
-                                         for a in args.weight_cache_seed.split(",") if a.strip())]
+                                         for a in s.weight_cache_seed.split(",") if a.strip())]
     if token is not None and len(token) < MIN_TOKEN_CHARS:
         raise SeedConfigError(SeedConfigError.SHORT_TOKEN.format(min=MIN_TOKEN_CHARS))
-    window, stall = getattr(args, "weight_cache_seed_round_window", None), getattr(args, "weight_cache_seed_stall_timeout", None)
+    window, stall = s.weight_cache_seed_round_window, s.weight_cache_seed_stall_timeout
     for flag, value in (("--weight-cache-seed-round-window", window), ("--weight-cache-seed-stall-timeout", stall)):
         if value is not None and not 0 <= value <= 3600:  # also NaN
             raise SeedConfigError(SeedConfigError.BAD_SECONDS.format(flag=flag, value=value))
     return {"seed_listen": list(listen) if listen else None, "seed_token": token, "seeds": seeds,
-            "seed_weights": getattr(args, "weight_cache_seed_weights", None) or "auto", "seed_window_s": window,
+            "seed_weights": s.weight_cache_seed_weights or "auto", "seed_window_s": window,
             "seed_stall_s": stall}
 
 

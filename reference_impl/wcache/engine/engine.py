@@ -24,6 +24,7 @@ import torch
 from wcache.core.config import EngineConfig
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
+from wcache.core.settings import from_flags
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
 from wcache.engine.logprobs import PromptScores, Sampled, score_prompt
 from wcache.engine.loop_thread import LoopThread
@@ -43,6 +44,7 @@ from wcache.engine.sampling import (
     pick_rows,
 )
 from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
+from wcache.engine.settings import EngineSettings
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextPiece, TextStream
 from wcache.engine.world import LOST_PEERS
@@ -443,29 +445,29 @@ def prompt_groups(joining: list[Sequence], max_tokens: int, together: bool = Tru
     return out
 
 
-def rank_specs(args, loader_config):
-    """(plan, one JSON spec per local rank of this engine) from ``wcache serve`` arguments."""
-    base = EngineConfig.build(args.model, args.dtype, args.quantization, args.device, revision=args.revision)
+def rank_specs(s: EngineSettings, loader_config):
+    """(plan, one JSON spec per local rank of this engine) from ``wcache serve``'s engine settings."""
+    base = EngineConfig.build(s.model, s.dtype, s.quantization, s.device, revision=s.revision)
     derived = base.hf["max_position_embeddings"]
-    if args.max_model_len is not None and args.max_model_len > derived:  # refused before loading, as vLLM does
-        raise MaxModelLenError(MaxModelLenError.TOO_LONG.format(requested=args.max_model_len, derived=derived))
-    plan = plan_engine(args, base.hf, base.device)
+    if s.max_model_len is not None and s.max_model_len > derived:  # refused before loading, as vLLM does
+        raise MaxModelLenError(MaxModelLenError.TOO_LONG.format(requested=s.max_model_len, derived=derived))
+    plan = plan_engine(s.parallel, base.hf, base.device)
     draft = None
-    sc = parse_speculative_config(args.speculative_config)
+    sc = parse_speculative_config(s.parallel.speculative_config)
     if sc is not None:
         check_draft(sc, base.hf, plan.layout.tp, plan.layout.pp)
-        if sc.cached and args.load_format == "ipc_cache" and loader_config.socket_path:
+        if sc.cached and s.load_format == "ipc_cache" and loader_config.socket_path:
             raise ParallelConfigError(SPEC_SOCKET_PATH.format(methods=", ".join(CACHED_DRAFT_METHODS)))
         draft = {"method": sc.method, "model": sc.model, "k": sc.num_speculative_tokens, "cached": sc.cached,
-                 "dtype": args.dtype}
+                 "dtype": s.dtype}
     options = EngineOptions(
-        load_format=args.load_format, loader_config=loader_config, max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization, cpu_memory_capacity=args.cpu_memory_capacity,
-        enable_autotune=args.enable_autotune, draft=draft, init_method=plan.init_method,
-        backend="nccl" if base.device == "cuda" else "gloo", max_num_seqs=args.max_num_seqs,
-        max_waiting_requests=args.max_waiting_requests, enforce_eager=args.enforce_eager)
-    model_flags = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-                   "device": base.device, "revision": args.revision}
+        load_format=s.load_format, loader_config=loader_config, max_model_len=s.max_model_len,
+        gpu_memory_utilization=s.gpu_memory_utilization, cpu_memory_capacity=s.cpu_memory_capacity,
+        enable_autotune=s.enable_autotune, draft=draft, init_method=plan.init_method,
+        backend="nccl" if base.device == "cuda" else "gloo", max_num_seqs=s.max_num_seqs,
+        max_waiting_requests=s.max_waiting_requests, enforce_eager=s.enforce_eager)
+    model_flags = {"model": s.model, "dtype": s.dtype, "quantization": s.quantization,
+                   "device": base.device, "revision": s.revision}
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
 
 
@@ -483,7 +485,8 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     from wcache.engine.server import EngineServer, run_until_signal
     from wcache.engine.supervisor import Supervisor
 
-    plan, specs = rank_specs(args, loader_config)
+    # The engine's part of the flags as typed settings; the HTTP side still reads ``args`` (see settings.py).
+    plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
     served = served or ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
     runner = prepared or RankRunner.from_spec(specs[0])
     if not runner.plain:

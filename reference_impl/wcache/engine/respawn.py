@@ -411,9 +411,11 @@ class RespawnSupervisor:
 def run_respawn(args, loader_config) -> int:
     """``wcache serve --respawn``: check what a plain serve checks (torch and the engine imported),
     listen, then replace this process's image with the small supervisor (``main``), same pid."""
+    from wcache.core.settings import from_flags
     from wcache.engine.engine import rank_specs
+    from wcache.engine.settings import EngineSettings
 
-    plan, _ = rank_specs(args, loader_config)
+    plan, _ = rank_specs(from_flags(EngineSettings, args), loader_config)
     if plan.world_size > 1:
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
     sock = listen(args.host, args.port)

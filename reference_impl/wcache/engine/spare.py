@@ -148,7 +148,9 @@ class ReservePhases:
 
 def prepare(args, at_once: bool):
     """(the prepared rank, its status fields) of a hot spare, or (None, fields) for a cold one."""
+    from wcache.core.settings import from_flags
     from wcache.engine.engine import rank_specs
+    from wcache.engine.settings import EngineSettings
 
     loader_config = parse_loader_config(args.model_loader_extra_config)
     if args.load_format == "ipc_cache" and loader_config.mode == "copy":
@@ -156,7 +158,7 @@ def prepare(args, at_once: bool):
         return None, {"warm": False, "cold": "copy mode"}
     t0 = time.monotonic()
     try:
-        plan, specs = rank_specs(args, loader_config)
+        plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
         runner = RankRunner.from_spec(specs[0])
         if len(specs) > 1 or not plan.drives or runner.world.size > 1:
             log.info(SPARE_COLD_FAILED.format(pid=os.getpid(), error="an engine of several ranks"))
