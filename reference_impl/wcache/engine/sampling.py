@@ -24,6 +24,20 @@ import torch
 from wcache.engine.logprobs import Sampled, score
 from wcache.engine.penalties import apply_penalties
 
+# vLLM's _MAX_TEMP: a temperature above 0 and below it is raised to it (vLLM's SamplingParams does
+# so with a warning), since dividing the logits by less overflows float32 to inf, whose softmax is
+# NaN: torch.multinomial raised on it inside the engine loop, and every request failed after.
+MIN_TEMPERATURE = 1e-2
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """A row every token of which has a finite logit or -inf: a penalty at an end of its range
+    (repetition_penalty 1e-40 divides a positive logit past float32, 1e39 is inf as float32 and
+    0 x inf is NaN) makes +inf the largest float (those tokens the most likely, alike) and NaN -inf
+    (never drawn). vLLM lets them through; here a draw from NaN would stop the engine loop."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,7 +139,7 @@ class Sampler:
         if p.penalized:
             logits = apply_penalties(logits, self.prompt, self.out, p.presence_penalty, p.frequency_penalty,
                                      p.repetition_penalty)
-        return logits
+        return _finite(logits)
 
     def pick(self, logits: torch.Tensor) -> int:
         return self.sample(logits).id
@@ -141,7 +155,9 @@ class Sampler:
         if self.generator is None:
             return int(torch.argmax(logits))
         p = self.params
-        logits = logits.detach().float().cpu() / p.temperature
+        logits = _finite(logits.detach().float().cpu() / max(p.temperature, MIN_TEMPERATURE))
+        if not torch.isfinite(logits).any():  # every token held back (min_tokens, every id a stop id)
+            return int(torch.argmax(logits))  # nothing to draw from: what greedy picks
         if p.min_p > 0.0:  # vLLM's: drop tokens less likely than min_p times the most likely one
             probs = torch.softmax(logits, dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
