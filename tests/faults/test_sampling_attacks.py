@@ -1,7 +1,7 @@
 """A hostile client against the sampling and scoring parameters of a live `wcache serve` (tiny
 checkpoint, CPU): values at the ends of their accepted ranges, numbers past float's range, NaN and
 Infinity (Python's json reads them), booleans where integers go, ids outside the vocabulary, the
-most choices, streamed and chat variants. Each attack gets its answer (a 200, or a 400 with the
+most choices, streamed and chat variants, and n=64 against a small waiting queue. Each attack gets its answer (a 200, or a 400 with the
 code's text, never a dropped connection), and after each one the server still answers a plain
 completion and /health is 200, with no traceback in its log. docs/faults.md lists them
 ("Sampling values at the ends of their ranges", "Numbers past float's range").
@@ -10,6 +10,8 @@ completion and /health is 200, with no traceback in its log. docs/faults.md list
 from __future__ import annotations
 
 import json
+import re
+import time
 import urllib.error
 import urllib.request
 
@@ -17,7 +19,8 @@ import pytest
 
 from wcache.errors import (
     INTEGER_FIELD, LOGIT_BIAS_KEY, LOGIT_BIAS_SHAPE, LOGIT_BIAS_VOCAB, LOGPROBS_TOO_MANY, MIN_TOKENS_OVER_MAX,
-    N_TOO_MANY, NUMBER_FIELD, PROMPT_LOGPROBS_STREAM, STOP_TOKEN_IDS, TEMPERATURE, TOKEN_OUT_OF_VOCAB, TOP_P,
+    N_TOO_MANY, NUMBER_FIELD, PROMPT_LOGPROBS_STREAM, QUEUE_FULL, STOP_TOKEN_IDS, TEMPERATURE, TOKEN_OUT_OF_VOCAB,
+    TOP_P,
 )
 
 VOCAB = 512  # the tiny preset's
@@ -137,3 +140,44 @@ def test_hostile_numbers_and_ids_get_a_400_with_the_codes_text(engine, case):
     status, answer = post(engine.port, path, body)
     assert status == 400 and piece in json.loads(answer)["error"]["message"], (status, answer)
     still_serving(engine)
+
+
+# -- n against --max-waiting-requests ------------------------------------------------------------
+SMALL_QUEUE = ("--max-waiting-requests", "4", "--max-num-seqs", "2")
+LONG = 480  # tokens each sequence may make (the tiny preset's model length is 512)
+
+
+@pytest.fixture(scope="module")
+def small_queue(fault_procs, tiny_model):
+    return fault_procs.serve(tiny_model, "--no-enable-autotune", *SMALL_QUEUE)
+
+
+def gauges(port: int) -> tuple[float, float]:
+    """(running, waiting) from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return tuple(float(re.search(rf"^vllm:num_requests_{name}{{.*}} (\S+)$", text, re.M).group(1))
+                 for name in ("running", "waiting"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_64_refused_by_a_full_queue_leaves_nothing_running(small_queue, stream):
+    """n=64 with a queue of 4 and 2 running: 58 choices are refused, and so is the request (503).
+    The 6 admitted ran on to max_tokens before (the whole answer came after them, some 7 s; a
+    stream's kept going after its 503), holding the queue for an answer nobody gets. Now they stop
+    at their next token: the engine is idle again well inside the time one long sequence takes."""
+    port = small_queue.port
+    t0 = time.perf_counter()
+    status, _ = post(port, C, js(prompt="Hi", max_tokens=LONG, ignore_eos=True))
+    one_long = time.perf_counter() - t0
+    assert status == 200
+
+    t0 = time.perf_counter()
+    status, answer = post(port, C, js(prompt="Hi", n=64, max_tokens=LONG, ignore_eos=True, stream=stream))
+    assert status == 503 and json.loads(answer)["error"]["message"] == QUEUE_FULL.format(waiting=4, max=4), answer
+    while gauges(port) != (0.0, 0.0) and time.perf_counter() - t0 < 6 * one_long:
+        time.sleep(0.02)
+    idle_after = time.perf_counter() - t0
+    # Running on, the 6 admitted take 3 rounds of 2: 3 x one_long. Stopped, a few steps.
+    assert idle_after < one_long / 2, (idle_after, one_long)
+    still_serving(small_queue)
