@@ -143,3 +143,70 @@ def test_chat_logprobs_list_the_top_k_in_rank_order_and_prompt_logprobs_carry_ra
     assert scores[0] is None
     assert scores[1] == {5: {"logprob": -1.5, "rank": 2, "decoded_token": "token_id:5"},
                          4: {"logprob": -0.5, "rank": 1, "decoded_token": "token_id:4"}}
+
+
+# -- hostile values within the accepted ranges (docs/faults.md, "Sampling values at the ends of their ranges")
+@pytest.mark.parametrize("kw", [
+    {"temperature": 1e-300},  # 0 as float32: logits / 0 = inf (was: the softmax's NaN stopped the engine loop)
+    {"temperature": 1e-40},  # a float32 denormal: 3.0 / 1e-40 overflows to inf
+    {"temperature": 1.0, "repetition_penalty": 1e-40},  # a seen positive logit divided past float32
+    {"temperature": 1.0, "repetition_penalty": 1e-50},  # 0 as float32: division by zero
+    {"temperature": 1.0, "repetition_penalty": 1e39},  # inf as float32: 0 x inf is NaN
+    {"temperature": 1.0, "repetition_penalty": 1e39, "min_tokens": 1},  # -inf (a held-back stop id) x 0
+])
+def test_settings_at_the_ends_of_their_ranges_still_draw_a_token(kw):
+    row = torch.tensor([2.0, -1.0, 0.0, 3.0, -2.0, 1.0])
+    for seed in range(20):
+        s = Sampler(SamplingParams(seed=seed, **kw)).bind([0, 1, 2, 3], [], frozenset({4}))
+        tok = s.pick(row.clone())
+        assert 0 <= tok < 6 and not (kw.get("min_tokens") and tok == 4)  # a token; not a held-back stop id
+
+
+def test_a_temperature_below_vllms_floor_draws_as_at_the_floor():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (_MAX_TEMP): the same draws, seed for seed."""
+    row = torch.tensor([2.0, 1.99, 1.98, -1.0])
+    for seed in range(10):
+        floor = Sampler(SamplingParams(temperature=0.01, seed=seed)).pick(row.clone())
+        assert Sampler(SamplingParams(temperature=1e-30, seed=seed)).pick(row.clone()) == floor
+
+
+def test_a_row_with_every_token_held_back_gets_greedys_pick_not_an_error():
+    """min_tokens with every id a stop id leaves nothing to draw: the sampled pick is greedy's (was:
+    torch.multinomial raised on the all-NaN probabilities, inside the engine loop)."""
+    stop = frozenset(range(6))
+    greedy = Sampler(SamplingParams(min_tokens=2)).bind([], [], stop).pick(ROW.clone())
+    sampled = Sampler(SamplingParams(temperature=1.0, seed=3, min_tokens=2, top_k=2, min_p=0.5,
+                                     top_p=0.5)).bind([], [], stop).pick(ROW.clone())
+    assert sampled == greedy == 0
+
+
+def test_a_bias_on_every_id_costs_a_step_about_what_one_bias_does():
+    """A logit_bias on each of llama-8b's 128256 ids (a request body holds some 100000 of them,
+    and the cost is per id), or min_tokens holding every id back, is
+    processed on the engine thread at every step, for every sequence of the batch to wait on: its
+    index tensors are made once, at bind (was: rebuilt from Python lists each step, about 360 and
+    170 times the cost of one bias; now a few times)."""
+    import time
+
+    vocab = 128256
+    row = torch.randn(vocab)
+
+    def step_s(sampler: Sampler) -> float:
+        sampler.pick(row)
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            sampler.pick(row)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine's other threads and other tests' load: one thread measures alike
+    try:
+        one = step_s(Sampler(SamplingParams(logit_bias=((5, 1.0),))).bind([], [], frozenset()))
+        every = step_s(Sampler(SamplingParams(logit_bias=tuple((i, 1.0) for i in range(vocab)))).bind(
+            [], [], frozenset()))
+        held = step_s(Sampler(SamplingParams(min_tokens=5)).bind([], [], frozenset(range(vocab))))
+    finally:
+        torch.set_num_threads(threads)
+    assert every < 25 * one and held < 25 * one, (every, held, one)

@@ -51,12 +51,20 @@ def run_all(engine, prompts, req, on_text: Callable[[str], bool] | None = None,
         return [engine.generate(prompts[0], *_args(req, 0), on_text=on_text, queued=queued, **_kw(req))]
     done: list = [None] * len(prompts)
     errors: list[BaseException] = []
+    # The first failure (a full queue, as a rule) is the answer: the others stop at their next
+    # token, as stream's do. They ran to max_tokens before, n=64 holding the queue for nothing.
+    failed = threading.Event()
+
+    def told(piece) -> bool:
+        stop = bool(on_text(piece)) if on_text is not None else False
+        return stop or failed.is_set()
 
     def run(i: int) -> None:
         try:
-            done[i] = engine.generate(prompts[i], *_args(req, i), on_text=on_text, queued=queued, **_kw(req))
+            done[i] = engine.generate(prompts[i], *_args(req, i), on_text=told, queued=queued, **_kw(req))
         except BaseException as e:  # raised below, on the request's thread
             errors.append(e)
+            failed.set()
 
     threads = [threading.Thread(target=run, args=(i,), name=f"wcache-prompt-{i}", daemon=True)
                for i in range(len(prompts))]
@@ -98,13 +106,18 @@ def stream(engine, prompts, req, stop: Callable[[], bool], submit=_thread,
     for i in range(len(prompts)):
         submit(run, i)
     left = len(prompts)
-    while left:
-        kind, i, item = events.get()
-        yield kind, i, item
-        if kind == "error":
-            failed.set()  # the others stop at their next token
-            return
-        left -= kind == "done"
+    try:
+        while left:
+            kind, i, item = events.get()
+            yield kind, i, item
+            if kind == "error":
+                return
+            left -= kind == "done"
+    finally:
+        # An error, or a caller that stopped reading (the server returns at an error event without
+        # resuming this generator, so a set() after the yield never ran): the others stop at their
+        # next token. They ran to max_tokens before, a refused n=64 holding the queue for nothing.
+        failed.set()
 
 
 def _stream_one(engine, prompt, req, stop: Callable[[], bool], queued) -> Iterator[tuple[str, int, object]]:

@@ -11,7 +11,6 @@ never served with a setting silently dropped. Errors have vLLM's shape,
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -168,7 +167,7 @@ def check_fields(req: dict, table: dict[str, Field]) -> None:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return fields.finite_number(v)
 
 
 def parse_completion_request(body: bytes, max_model_len: int, served=(), has_draft: bool = False,

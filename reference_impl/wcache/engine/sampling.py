@@ -24,6 +24,20 @@ import torch
 from wcache.engine.logprobs import Sampled, score
 from wcache.engine.penalties import apply_penalties
 
+# vLLM's _MAX_TEMP: a temperature above 0 and below it is raised to it (vLLM's SamplingParams does
+# so with a warning), since dividing the logits by less overflows float32 to inf, whose softmax is
+# NaN: torch.multinomial raised on it inside the engine loop, and every request failed after.
+MIN_TEMPERATURE = 1e-2
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """A row every token of which has a finite logit or -inf: a penalty at an end of its range
+    (repetition_penalty 1e-40 divides a positive logit past float32, 1e39 is inf as float32 and
+    0 x inf is NaN) makes +inf the largest float (those tokens the most likely, alike) and NaN -inf
+    (never drawn). vLLM lets them through; here a draw from NaN would stop the engine loop."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -99,13 +113,32 @@ class Sampler:
         self.prompt: list[int] = []
         self.out: list[int] = []
         self.stop_ids: frozenset[int] = frozenset()
+        # The index tensors of logit_bias and of the ids min_tokens holds back, made once by bind (on
+        # the request's thread), moved to the logits' device at first use: built from Python lists
+        # at every step, a bias on each of 128256 ids cost the engine thread some 68 ms per token
+        # (every id held back, 32 ms), and every sequence in the batch waited for it.
+        self._tensors: dict[str, torch.Tensor] = {}
         if not params.greedy:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(62))
+        self.bind([], [], frozenset())  # a sampler used unbound (runner.decode) has its tensors too
 
     def bind(self, prompt: list[int], out: list[int], stop_ids: frozenset[int]) -> Sampler:
         self.prompt, self.out, self.stop_ids = prompt, out, stop_ids
+        p = self.params
+        self._tensors = {}
+        if p.min_tokens and stop_ids:
+            self._tensors["held"] = torch.tensor(sorted(stop_ids))
+        if p.logit_bias:
+            self._tensors["bias_ids"] = torch.tensor([i for i, _ in p.logit_bias])
+            self._tensors["bias"] = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32)
         return self
+
+    def _on(self, name: str, device) -> torch.Tensor:
+        t = self._tensors[name]
+        if t.device != device:
+            t = self._tensors[name] = t.to(device)
+        return t
 
     @property
     def plain(self) -> bool:
@@ -118,14 +151,13 @@ class Sampler:
             return logits
         logits = logits.detach().float().clone()
         if len(self.out) < p.min_tokens and self.stop_ids:
-            logits[torch.tensor(sorted(self.stop_ids), device=logits.device)] = float("-inf")
+            logits[self._on("held", logits.device)] = float("-inf")
         if p.logit_bias:
-            ids = torch.tensor([i for i, _ in p.logit_bias], device=logits.device)
-            logits[ids] += torch.tensor([b for _, b in p.logit_bias], device=logits.device)
+            logits[self._on("bias_ids", logits.device)] += self._on("bias", logits.device)
         if p.penalized:
             logits = apply_penalties(logits, self.prompt, self.out, p.presence_penalty, p.frequency_penalty,
                                      p.repetition_penalty)
-        return logits
+        return _finite(logits)
 
     def pick(self, logits: torch.Tensor) -> int:
         return self.sample(logits).id
@@ -141,7 +173,9 @@ class Sampler:
         if self.generator is None:
             return int(torch.argmax(logits))
         p = self.params
-        logits = logits.detach().float().cpu() / p.temperature
+        logits = _finite(logits.detach().float().cpu() / max(p.temperature, MIN_TEMPERATURE))
+        if not torch.isfinite(logits).any():  # every token held back (min_tokens, every id a stop id)
+            return int(torch.argmax(logits))  # nothing to draw from: what greedy picks
         if p.min_p > 0.0:  # vLLM's: drop tokens less likely than min_p times the most likely one
             probs = torch.softmax(logits, dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))

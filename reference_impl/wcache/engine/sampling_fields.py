@@ -52,11 +52,23 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def finite_number(v) -> bool:
+    """A JSON number a float holds: not a boolean, NaN or infinity (Python's json reads ``NaN`` and
+    ``Infinity``), nor an integer past float's range (``1`` and 400 zeros is valid JSON, and
+    ``math.isfinite`` raises OverflowError on it instead of answering)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def number(req: dict, field: str, default: float) -> float:
     v = req.get(field)
     if v is None:
         return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not finite_number(v):
         raise FieldError(NUMBER_FIELD.format(field=field, value=_show(v)), field)
     return float(v)
 
@@ -125,7 +137,7 @@ def logit_bias(v, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
             tid = int(key)
         except ValueError:
             raise FieldError(LOGIT_BIAS_KEY.format(key=str(key)[:32]), "logit_bias") from None
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+        if not finite_number(bias):
             raise FieldError(LOGIT_BIAS_SHAPE, "logit_bias")
         pairs[tid] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(bias)))
     bad = sorted(t for t in pairs if t < 0 or (vocab_size is not None and t >= vocab_size))
