@@ -442,6 +442,11 @@ TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
 LOADING = "The engine is still loading its weights"
 # Continuous batching (engine/scheduler.py, engine/engine.py)
 QUEUE_FULL = "The engine has {waiting} requests waiting, its limit (--max-waiting-requests {max}); retry shortly"
+# The engine loop failed for good (a lost peer, a device error): the server stops answering /health 200
+# and exits 1, so that --respawn's supervisor or the kubelet starts a new engine (vLLM's API server
+# shuts down when its engine core is dead, for the same reason).
+ENGINE_DEAD = ("The engine loop failed ({error}): /health answered 503 and the server exits with status 1 "
+               "so that its supervisor (--respawn, Kubernetes) starts a new engine")
 STREAM_OVERFLOW = ("A request fell {limit} tokens behind the engine (its client stopped reading its stream); "
                    "the engine ended it")
 NO_ROUTE = "No route for {method} {path}"

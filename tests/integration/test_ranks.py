@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import time
+from http.client import HTTPException
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.wire.handback import OFFER_PREFIX
 from wcache.wire.sockets import DaemonLock, prepare_socket_dir, socket_name
 from wcache.engine.supervisor import WORKERS_EXITED
-from wcache.errors import DaemonLockError
+from wcache.errors import ENGINE_DEAD, DaemonLockError
 
 NO_TUNE = "--no-enable-autotune"
 PROMPT = "Hello"
@@ -132,6 +133,29 @@ def test_tp2_shards_serve_health_and_sigterm(procs, model32, expected, wcache_en
     pre.wait_for_log("/health now answers 503", timeout=30)  # /health may turn before the line is written
     assert pre.stop(signal.SIGTERM) == 0
     assert gone(daemons[0]) and not sockets[0].exists()
+
+
+def test_a_dead_engine_loop_ends_the_server_with_status_1(procs, model32, expected):
+    """A rank killed under an engine of two: the next request's pass fails on the lost peer, the
+    engine loop ends for good, and the server exits 1 with ENGINE_DEAD's line rather than staying
+    up with a loop that will never step again (a supervisor or the kubelet then starts a new one).
+    The break it catches: without the engine's failure watched (server.py's run_until_signal),
+    the process stays up after the loop died and this test times out waiting for its exit."""
+    engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE)
+    assert tokens(engine.port) == expected
+    (worker,) = child_pids(engine.pid)
+    os.kill(worker, signal.SIGKILL)
+    try:  # an error answer, or the connection closed as the server exits
+        status, _ = http("POST", f"http://127.0.0.1:{engine.port}/v1/completions",
+                         {"prompt": PROMPT, "max_tokens": TOKENS}, timeout=60)
+    except (OSError, HTTPException):
+        status = None
+    assert status != 200
+    assert engine.proc.wait(timeout=60) == 1, engine.log()[-3000:]
+    log = engine.log()
+    assert "Engine rank 0 lost contact with the other ranks" in log, log[-3000:]
+    dead = ENGINE_DEAD.split("({error})")
+    assert dead[0] in log and dead[1] in log, log[-3000:]
 
 
 def test_tp2_daemon_restart_each_rank_adopts_its_own_shard(procs, model32, expected):

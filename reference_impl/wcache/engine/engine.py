@@ -48,7 +48,7 @@ from wcache.engine.settings import EngineSettings
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextPiece, TextStream
 from wcache.engine.world import LOST_PEERS
-from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
+from wcache.errors import ENGINE_DEAD, STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
 from wcache.model import generation_config
 from wcache.model.tokenizer import Tokenizer
 
@@ -135,6 +135,7 @@ class Engine:
         self.stats = StepStats()
         self.clock = StepClock(runner.device)
         self.closed = False
+        self.failure: BaseException | None = None  # why the engine loop ended, when it failed
         self._close_lock = threading.Lock()
         if runner.gpu is not None:
             # The engine thread waits for the GPU once per step, and then for the GIL, which the HTTP
@@ -291,6 +292,9 @@ class Engine:
                 log.error(LOST_PEERS.format(rank=0, error=str(e).splitlines()[0]))
             else:
                 log.exception("The engine loop failed")
+            # Dead for good: /health answers 503 and the server stops (run_until_signal watches this),
+            # so a supervisor (--respawn, the kubelet) replaces the process instead of routing to it.
+            self.failure = e
             for seq in self.scheduler.close():
                 seq.outbox.put(_End("error", e))
 
@@ -533,7 +537,12 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     if on_ready is not None:
         on_ready(engine, server)
     run_until_signal(server, on_stop=on_stop)
+    code = 0
+    if engine.failure is not None:
+        log.error(ENGINE_DEAD.format(error=str(engine.failure).splitlines()[0] if str(engine.failure) else
+                                     type(engine.failure).__name__))
+        code = 1
     log.info("Engine stopped")
     if runner.world.size > 1:
-        exit_after_collectives(0)  # past gloo's teardown, which may abort once peers are gone
-    return 0
+        exit_after_collectives(code)  # past gloo's teardown, which may abort once peers are gone
+    return code

@@ -177,6 +177,8 @@ class _Handler(FrontDoorHandler):
         if self.path == "/health":
             if server.draining:
                 self.send_json(503, {"status": "draining"})
+            elif server.ready and getattr(server.engine, "failure", None) is not None:
+                self.send_json(503, {"status": "engine failed"})
             elif server.ready:
                 self.send_json(200, {"status": "ok"})
             else:  # with "fallback": false, the loader may be waiting for the daemon (loading/waiting.py)
@@ -438,8 +440,8 @@ def run_until_signal(server: EngineServer, on_stop=None) -> None:
     thread = server.serving  # an EngineServer serves from its creation
     try:
         while not stop.wait(0.2):
-            if not thread.is_alive():
-                break
+            if not thread.is_alive() or getattr(server.engine, "failure", None) is not None:
+                break  # a dead engine stops the server (engine.py's run_serve exits 1)
         if first:
             drain(server, signal.Signals(first[0]).name, server.shutdown_delay, server.shutdown_timeout, again)
     finally:
