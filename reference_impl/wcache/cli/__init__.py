@@ -88,7 +88,11 @@ def cmd_make_checkpoint(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, argv: list[str]) -> int:
+    if _two_processes(argv):  # the front: no torch in this process (engine/front.py)
+        from wcache.engine.front import run_front
+
+        return run_front(args, argv)
     from wcache.engine.engine import run_serve
     from wcache.engine.loading.config import parse_loader_config
 
@@ -100,11 +104,23 @@ def cmd_serve(args) -> int:
     return run_serve(args, loader_config)
 
 
+def _two_processes(argv: list[str]) -> bool:
+    """`wcache serve` as a front and an engine core (engine/front.py says when)."""
+    import os
+
+    if os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") != "1":
+        return False
+    from wcache.engine.front import enabled
+
+    return enabled(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     no_dump.forbid()  # the engine's and the launcher's memory, sockets and keys: see core/no_dump.py
     argv = sys.argv[1:] if argv is None else argv
     command = command_named(argv)
-    if command == "serve":  # the CUDA context is made while the engine imports (early_context.py)
+    if command == "serve" and not _two_processes(argv):  # the CUDA context is made while the engine imports
+        # (early_context.py); a front leaves the device to its engine core
         from wcache.engine import early_context
 
         early_context.start(argv)
@@ -131,7 +147,7 @@ def _main(argv: list[str], command: str | None) -> int:
         if args.command == "make-checkpoint":
             return cmd_make_checkpoint(args)
         if args.command == "serve":
-            return cmd_serve(args)
+            return cmd_serve(args, argv)
         if args.command == "preload":
             from wcache.daemon.launcher import run_preload
 

@@ -17,14 +17,13 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
-
 import torch
 
 from wcache.core.config import EngineConfig
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
+from wcache.engine.completion import STREAM_BUFFER_TOKENS, Completion, _End, finish_reason
 from wcache.engine.loop_thread import LoopThread
 from wcache.engine.runner import (
     OP_KEEPALIVE,
@@ -52,34 +51,12 @@ from wcache.model.tokenizer import Tokenizer
 log = logging.getLogger("wcache.engine")
 
 KEEPALIVE_S = 60.0
-# Tokens a request's thread may fall behind the engine loop (a streaming client that stops reading,
-# once the socket's buffers are full) before the engine ends that request and frees its slot.
-STREAM_BUFFER_TOKENS = 256
 GIL_SWITCH_S = 0.0005  # a GPU engine's Python thread switch interval (sys.setswitchinterval)
 
 # Logged when the engine stops; the HTTP bench reads them (what the loop adds to the forward passes,
 # and where a step's time goes: step_clock.py).
 STEP_STATS = "Engine steps (ms per step): {json}"
 STEP_PROFILE = "Engine step profile: {json}"
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stop_reason: str | None  # the stop string that ended it (None for EOS or length, as vLLM)
-    prompt_tokens: int
-    first_token_at: float | None = None  # time.monotonic() of the first token (the metrics' time to first token)
-
-
-@dataclass(frozen=True)
-class _End:
-    """The last item of a sequence's outbox: why it ended ("eos", "length", "cancelled",
-    "overflow", "abort" when the engine stops, "error" when the engine loop failed)."""
-
-    reason: str
-    error: BaseException | None = None
 
 
 class StepStats:
@@ -160,6 +137,18 @@ class Engine:
         return self.runner.draft is not None
 
     @property
+    def load_format(self) -> str:
+        return self.runner.options.load_format
+
+    def daemon_alive(self) -> float | None:
+        """zero_copy: whether the daemon whose memory this engine maps still holds the lease
+        (engine/metrics.py); None for other loads."""
+        from wcache.engine.metrics import daemon_alive
+
+        lease = self.runner.loads[0].lease if self.runner.loads else None
+        return daemon_alive(lease) if lease is not None else None
+
+    @property
     def max_num_seqs(self) -> int:
         """Sequences decoded together: --max-num-seqs, or fewer if the KV cache holds fewer."""
         return self.runner.num_seqs
@@ -228,10 +217,7 @@ class Engine:
         rest = text.finish()
         if rest and not gone:
             yield rest
-        if end is not None and end.reason in ("overflow", "abort"):
-            finish = "abort"  # vLLM's finish reason for a request the engine ended
-        else:
-            finish = "stop" if text.stopped or (out and out[-1] in self.stop_ids) else "length"
+        finish = finish_reason(end, text.stopped, out, self.stop_ids)
         return Completion(text.text, out, finish, text.stop_reason, len(ids), first_at)
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:

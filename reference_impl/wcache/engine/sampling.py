@@ -13,8 +13,12 @@ from __future__ import annotations
 import secrets
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch is imported where a token is picked, not here: SamplingParams is what the HTTP layer builds,
+# and `wcache serve`'s front process parses requests without torch (engine/core_client.py).
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,14 @@ class Sampler:
         self.params = params
         self.generator = None
         if not params.greedy:
+            import torch
+
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(62))
 
     def pick(self, logits: torch.Tensor) -> int:
+        import torch
+
         if self.generator is None:
             return int(torch.argmax(logits))
         p = self.params

@@ -1,0 +1,198 @@
+"""What `wcache serve`'s front process and its engine core say to each other, and how it travels.
+
+The two processes (engine/core_client.py, engine/core_proc.py) share one Unix socket pair, made by
+the front and inherited by the core: no path on disk, so no other process can connect. Each message
+is one frame: a 4-byte big-endian length, then the message as msgpack (vLLM V1's API server and
+EngineCore also send msgpack). msgspec decodes it against the union below: a tagged Struct whose
+unknown fields, wrong types or missing fields are refused, never an object of a class the bytes
+name (no pickle). A frame over ``MAX_FRAME_BYTES`` or one that does not decode is a ``ChannelError``.
+
+Front to core: ``AddRequest``, ``AbortRequest``, ``Shutdown``. Core to front: ``Planned`` (whether
+this node serves HTTP), ``Ready`` (what the HTTP layer reads of the engine), ``StepOutputs`` (once per
+step: every request's new tokens, and its end), ``QueueFullError``, ``Status`` (the gauges) and
+``Unhealthy`` (a rank died).
+Records grow optional fields with defaults (a token's logprobs, say) without breaking either end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+import threading
+
+import msgspec
+
+from wcache.engine.sampling import SamplingParams
+
+MAX_FRAME_BYTES = 16 << 20  # a prompt of max_model_len token ids is far less
+_HEADER = struct.Struct(">I")
+MALFORMED = "malformed frame on the engine core channel: {error}"
+TOO_BIG = "frame of {size} bytes on the engine core channel; the limit is {limit}"
+
+
+class ChannelError(Exception):
+    """The other end sent something that is not a message: a bug, or a process that is not ours."""
+
+
+class _Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True):
+    """SamplingParams' fields, as they are (``from_params``/``to_params`` follow the dataclass)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> Sampling:
+        return cls(**dataclasses.asdict(p))
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**msgspec.structs.asdict(self))
+
+
+class AddRequest(_Msg):
+    id: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_token_ids: list[int]
+
+
+class AbortRequest(_Msg):
+    id: int
+
+
+class Shutdown(_Msg):
+    pass
+
+
+class Planned(_Msg):
+    drives: bool  # this node holds engine rank 0: the front serves HTTP (else it only waits for the core)
+
+
+class LoadInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """The LoadReport fields /metrics shows (engine/metrics.py load_labels)."""
+
+    source: str
+    seconds: float
+    external_bytes: int = 0
+    fallback_kind: str | None = None
+    transport: str | None = None
+
+
+class Ready(_Msg):
+    pid: int
+    max_model_len: int
+    max_num_seqs: int
+    has_draft: bool
+    device: str
+    vocab_size: int | None
+    load_format: str
+    report: LoadInfo
+
+
+class Token(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One sampled token (a record that may grow optional fields)."""
+
+    id: int
+
+
+class RequestOutput(msgspec.Struct, forbid_unknown_fields=True):
+    id: int
+    tokens: list[Token] = []
+    # Set on a request's last output: "eos", "length", "cancelled", "abort" (the engine stops),
+    # "error" (the step loop failed, with ``error`` its text).
+    finished: str | None = None
+    error: str | None = None
+
+
+class StepOutputs(_Msg):
+    outputs: list[RequestOutput]
+    running: int = 0  # the scheduler's counts as the step ended (the /metrics gauges)
+    waiting: int = 0
+
+
+class QueueFullError(_Msg):
+    id: int
+    waiting: int
+    limit: int
+
+
+class Unhealthy(_Msg):
+    """An engine rank of this node died after start-up: /health answers 503 (engine/supervisor.py)."""
+
+
+class Status(_Msg):
+    running: int
+    waiting: int
+    daemon_alive: float | None = None  # zero_copy only (engine/metrics.py)
+
+
+ToCore = AddRequest | AbortRequest | Shutdown
+ToFront = Planned | Ready | StepOutputs | QueueFullError | Status | Unhealthy
+
+
+class Channel:
+    """One end of the socket pair: ``send`` from any thread, ``recv`` from one; ``recv`` returns
+    None at the other end's close (its process ended)."""
+
+    def __init__(self, sock: socket.socket, incoming):
+        self.sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(incoming)
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: _Msg) -> None:
+        data = self._encoder.encode(msg)
+        with self._send_lock:
+            self.sock.sendall(_HEADER.pack(len(data)) + data)
+
+    def recv(self):
+        head = self._read(_HEADER.size)
+        if head is None:
+            return None
+        (size,) = _HEADER.unpack(head)
+        if size > MAX_FRAME_BYTES:
+            raise ChannelError(TOO_BIG.format(size=size, limit=MAX_FRAME_BYTES))
+        body = self._read(size)
+        if body is None:
+            return None
+        return decode(self._decoder, body)
+
+    def _read(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            try:
+                chunk = self.sock.recv(n - len(buf))
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def decode(decoder: msgspec.msgpack.Decoder, body: bytes):
+    try:
+        return decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ChannelError(MALFORMED.format(error=e)) from None
+
+
+def front_channel(sock: socket.socket) -> Channel:
+    return Channel(sock, ToFront)
+
+
+def core_channel(sock: socket.socket) -> Channel:
+    return Channel(sock, ToCore)
