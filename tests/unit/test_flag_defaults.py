@@ -1,7 +1,7 @@
-"""cli/defaults.py repeats values whose owners import torch (so that `wcache serve`'s front parses
+"""core/flag_defaults.py repeats values whose owners import torch (so that `wcache serve`'s front parses
 its flags without torch): each must equal its owner's."""
 
-from wcache.cli import defaults
+from wcache.core import flag_defaults as defaults
 from wcache.core import config, ranks
 from wcache.engine import runner
 from wcache.model import quant

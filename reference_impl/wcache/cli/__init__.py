@@ -88,11 +88,11 @@ def cmd_make_checkpoint(args) -> int:
     return 0
 
 
-def cmd_serve(args, argv: list[str]) -> int:
-    if _two_processes(argv):  # the front: no torch in this process (engine/front.py)
+def cmd_serve(args) -> int:
+    if _two_processes(["--respawn"] if args.respawn else []):  # the front: no torch here (engine/front.py)
         from wcache.engine.front import run_front
 
-        return run_front(args, argv)
+        return run_front(args)
     from wcache.engine.engine import run_serve
     from wcache.engine.loading.config import parse_loader_config
 
@@ -112,7 +112,7 @@ def _two_processes(argv: list[str]) -> bool:
         return False
     from wcache.engine.front import enabled
 
-    return enabled(argv)
+    return enabled("--respawn" in argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +147,7 @@ def _main(argv: list[str], command: str | None) -> int:
         if args.command == "make-checkpoint":
             return cmd_make_checkpoint(args)
         if args.command == "serve":
-            return cmd_serve(args, argv)
+            return cmd_serve(args)
         if args.command == "preload":
             from wcache.daemon.launcher import run_preload
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from wcache.engine.completion import STREAM_BUFFER_TOKENS, Completion, _End, finish_reason
 from wcache.engine.core_messages import (AbortRequest, AddRequest, ChannelError, Planned, QueueFullError, Ready,
-                                         Sampling, Shutdown, Status, StepOutputs, Unhealthy, front_channel)
+                                         Sampling, Shutdown, Start, Status, StepOutputs, Unhealthy,
+                                         front_channel)
 from wcache.engine.sampling import GREEDY, SamplingParams
 from wcache.engine.scheduler import QueueFull
 from wcache.engine.textstream import TextStream
@@ -44,12 +45,14 @@ class CoreConfig:
     hf: dict = field(default_factory=dict)
 
 
-def spawn_core(argv: list[str]) -> tuple[subprocess.Popen, socket.socket]:
-    """The engine core process, with the same flags, and this end of its channel."""
+def spawn_core(args) -> tuple[subprocess.Popen, socket.socket]:
+    """The engine core process, told ``args`` (`wcache serve`'s flags), and this end of its channel."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.core_proc", str(theirs.fileno()), *argv],
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.core_proc", str(theirs.fileno())],
                             pass_fds=(theirs.fileno(),))
     theirs.close()
+    flags = {k: v for k, v in vars(args).items() if k != "api_key"}  # the key stays in the front
+    front_channel(mine).send(Start(flags))
     return proc, mine
 
 

@@ -7,7 +7,7 @@ EngineCore also send msgpack). msgspec decodes it against the union below: a tag
 unknown fields, wrong types or missing fields are refused, never an object of a class the bytes
 name (no pickle). A frame over ``MAX_FRAME_BYTES`` or one that does not decode is a ``ChannelError``.
 
-Front to core: ``AddRequest``, ``AbortRequest``, ``Shutdown``. Core to front: ``Planned`` (whether
+Front to core: ``Start`` (the flags), ``AddRequest``, ``AbortRequest``, ``Shutdown``. Core to front: ``Planned`` (whether
 this node serves HTTP), ``Ready`` (what the HTTP layer reads of the engine), ``StepOutputs`` (once per
 step: every request's new tokens, and its end), ``QueueFullError``, ``Status`` (the gauges) and
 ``Unhealthy`` (a rank died).
@@ -20,6 +20,7 @@ import dataclasses
 import socket
 import struct
 import threading
+from typing import Any
 
 import msgspec
 
@@ -52,6 +53,12 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True):
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**msgspec.structs.asdict(self))
+
+
+class Start(_Msg):
+    """The front's first frame: `wcache serve`'s parsed flags (without the API key, the front's)."""
+
+    flags: dict[str, Any]
 
 
 class AddRequest(_Msg):
@@ -132,7 +139,7 @@ class Status(_Msg):
     daemon_alive: float | None = None  # zero_copy only (engine/metrics.py)
 
 
-ToCore = AddRequest | AbortRequest | Shutdown
+ToCore = Start | AddRequest | AbortRequest | Shutdown
 ToFront = Planned | Ready | StepOutputs | QueueFullError | Status | Unhealthy
 
 

@@ -25,18 +25,18 @@ ENV = "WCACHE_ENABLE_V1_MULTIPROCESSING"
 DEATH_GRACE_S = 2.0  # after the core died: how long the requests in flight get to write their error
 
 
-def enabled(argv: list[str]) -> bool:
-    """Whether `wcache serve argv` runs as front and core: the variable is 1 and not --respawn
-    (whose supervisor hands connections to its workers instead, engine/respawn.py)."""
-    return os.environ.get(ENV, "0") == "1" and "--respawn" not in argv
+def enabled(respawn: bool) -> bool:
+    """Whether `wcache serve` runs as front and core: the variable is 1 and not --respawn (whose
+    supervisor hands connections to its workers instead, engine/respawn.py)."""
+    return os.environ.get(ENV, "0") == "1" and not respawn
 
 
-def run_front(args, argv: list[str]) -> int:
+def run_front(args) -> int:
     from wcache.engine.served import ServedModel
     from wcache.engine.server import EngineServer, run_until_signal
 
     served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
-    proc, sock = spawn_core(argv)
+    proc, sock = spawn_core(args)
     client = EngineCoreClient(proc, sock, served.tokenizer, served.stop_ids)
     try:
         planned = client.planned()
