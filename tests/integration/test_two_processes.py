@@ -215,3 +215,25 @@ def test_the_core_refusing_its_flags_stops_the_front_with_its_status(procs, tiny
     p = procs.serve(tiny_model, "--max-model-len", "100000", env=ON, ready=False)
     assert p.exit_code(60) == 2
     assert "max_model_len" in p.log() or "max-model-len" in p.log()
+
+
+def test_health_is_503_until_the_core_has_loaded(procs, tiny_model):
+    p = procs.serve(tiny_model, env=ON, ready=False)
+    port, seen = p.port, []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not seen or seen[-1][0] != 200):
+        try:
+            seen.append(http("GET", f"http://127.0.0.1:{port}/health", timeout=5))
+        except OSError:  # not bound yet: the core is still planning its ranks
+            assert p.proc.poll() is None, p.log()
+        time.sleep(0.01)
+    assert seen[0] == (503, {"status": "loading"}), seen[:3]
+    assert seen[-1] == (200, {"status": "ok"})
+    assert complete(port, "Hello", 2)["usage"]["completion_tokens"] == 2
+
+
+def test_the_front_killed_stops_the_core(procs, tiny_model):
+    e = serve(procs, tiny_model)
+    os.kill(e.front_pid, signal.SIGKILL)
+    wait_until(lambda: not alive(e.core_pid), 30, "the core's exit after its front's")
+    assert "The front process is gone (its channel closed): the engine core stops" in e.log()
