@@ -7,8 +7,18 @@ import struct
 
 import msgspec
 import pytest
-from wcache.engine.core_messages import (MAX_FRAME_BYTES, AbortRequest, AddRequest, ChannelError, RequestOutput,
-                                         Sampling, StepOutputs, Token, core_channel, front_channel)
+from wcache.engine.core_messages import (
+    MAX_FRAME_BYTES,
+    AbortRequest,
+    AddRequest,
+    ChannelError,
+    RequestOutput,
+    Sampling,
+    StepOutputs,
+    Token,
+    core_channel,
+    front_channel,
+)
 from wcache.engine.sampling import SamplingParams
 
 

@@ -1,8 +1,8 @@
 """core/flag_defaults.py repeats values whose owners import torch (so that `wcache serve`'s front parses
 its flags without torch): each must equal its owner's."""
 
-from wcache.core import flag_defaults as defaults
 from wcache.core import config, ranks
+from wcache.core import flag_defaults as defaults
 from wcache.engine import runner
 from wcache.model import quant
 

@@ -21,10 +21,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from wcache.engine.completion import STREAM_BUFFER_TOKENS, Completion, _End, finish_reason
-from wcache.engine.core_messages import (AbortRequest, AddRequest, ChannelError, Planned, QueueFullError, Ready,
-                                         Sampling, Shutdown, Start, Status, StepOutputs, Unhealthy,
-                                         front_channel)
+from wcache.engine.completion import (
+    STREAM_BUFFER_TOKENS,
+    Completion,
+    _End,
+    finish_reason,
+)
+from wcache.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    ChannelError,
+    Planned,
+    QueueFullError,
+    Ready,
+    Sampling,
+    Shutdown,
+    Start,
+    Status,
+    StepOutputs,
+    Unhealthy,
+    front_channel,
+)
 from wcache.engine.sampling import GREEDY, SamplingParams
 from wcache.engine.scheduler import QueueFull
 from wcache.engine.textstream import TextStream

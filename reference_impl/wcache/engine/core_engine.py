@@ -20,8 +20,21 @@ import time
 
 from wcache.core.distributed import exit_after_collectives
 from wcache.engine.completion import _End
-from wcache.engine.core_messages import (AbortRequest, AddRequest, ChannelError, LoadInfo, Planned, QueueFullError,
-                                         Ready, RequestOutput, Shutdown, Status, StepOutputs, Token, Unhealthy)
+from wcache.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    ChannelError,
+    LoadInfo,
+    Planned,
+    QueueFullError,
+    Ready,
+    RequestOutput,
+    Shutdown,
+    Status,
+    StepOutputs,
+    Token,
+    Unhealthy,
+)
 from wcache.engine.engine import Engine, rank_specs
 from wcache.engine.runner import RankRunner
 from wcache.engine.sampling import Sampler

@@ -45,7 +45,9 @@ def main(argv: list[str]) -> int:
     args = argparse.Namespace(**start.flags)
     logs.setup(args.log_level)
     early_context.start(["serve", "--device", args.device])
-    from wcache.engine.core_engine import run_core  # torch, while the driver makes the context
+    from wcache.engine.core_engine import (
+        run_core,  # torch, while the driver makes the context
+    )
     from wcache.engine.loading.config import parse_loader_config
 
     try:

@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+
 import torch
 
 from wcache.core.config import EngineConfig

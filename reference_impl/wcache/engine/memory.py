@@ -68,7 +68,7 @@ SEQS_LOWERED = ("Max number of sequences {want} lowered to {seqs}: the KV cache 
                 "{seqs} sequence(s) of --max-model-len {length}")
 
 # Sizes are parsed where `wcache serve`'s flags are, in a module without torch (the front process).
-from wcache.core.sizes import SIZE_HELP, parse_bytes  # noqa: E402,F401 (the engine's own callers and tests')
+from wcache.core.sizes import SIZE_HELP, parse_bytes  # noqa: F401 (the engine's own callers and tests')
 
 
 def format_bytes(n: int) -> str:
