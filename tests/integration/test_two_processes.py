@@ -14,7 +14,7 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
-from procs import alive, complete, http, wait_until
+from procs import alive, child_pids, complete, free_port, http, wait_until
 
 ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
 CORE_PID = re.compile(r"Engine ready \(pid (\d+), engine core pid (\d+)\)")
@@ -237,3 +237,22 @@ def test_the_front_killed_stops_the_core(procs, tiny_model):
     os.kill(e.front_pid, signal.SIGKILL)
     wait_until(lambda: not alive(e.core_pid), 30, "the core's exit after its front's")
     assert "The front process is gone (its channel closed): the engine core stops" in e.log()
+
+
+def test_tensor_parallel_ranks_follow_the_core_and_a_dead_one_turns_health_to_503(procs, tmp_path_factory):
+    """TP=2: the core is engine rank 0 and starts the other rank; both answer as one process's did.
+    A rank that dies after start-up turns the front's /health to 503 (the supervisor's line)."""
+    from wcache.core.checkpoint import make_checkpoint
+    from wcache.engine.supervisor import WORKERS_EXITED
+
+    model = make_checkpoint(tmp_path_factory.mktemp("tp") / "tiny32", "tiny", dtype="float32")
+    one = serve(procs, model)
+    expected = complete(one.port, "Hello", 12)["choices"][0]["token_ids"]
+    one.stop()
+    two = serve(procs, model, "-tp", "2", "--master-port", str(free_port()), "--no-enable-autotune")
+    assert complete(two.port, "Hello", 12)["choices"][0]["token_ids"] == expected
+    assert child_pids(two.front_pid) == [two.core_pid]
+    (rank1,) = child_pids(two.core_pid)
+    os.kill(rank1, signal.SIGKILL)
+    wait_until(lambda: http("GET", url(two, "/health"))[0] == 503, what="/health 503")
+    assert WORKERS_EXITED.format(codes={1: -9}) in two.log()
