@@ -18,6 +18,8 @@ from wcache.engine.core_messages import (
     Token,
     core_channel,
     front_channel,
+    params_of,
+    sampling_of,
 )
 from wcache.engine.sampling import SamplingParams
 
@@ -34,22 +36,22 @@ def pair():
 def test_messages_cross_as_they_were_sent(pair):
     front, core = pair
     params = SamplingParams(0.7, 0.9, 1234)
-    front.send(AddRequest(7, [1, 2, 3], 16, Sampling.from_params(params), [1]))
+    front.send(AddRequest(7, [1, 2, 3], 16, sampling_of(params), [1]))
     front.send(AbortRequest(7))
     add = core.recv()
     assert add == AddRequest(7, [1, 2, 3], 16, Sampling(0.7, 0.9, 1234), [1])
-    assert add.sampling.to_params() == params
+    assert params_of(add.sampling) == params
     assert core.recv() == AbortRequest(7)
     out = StepOutputs([RequestOutput(7, [Token(5), Token(6)]), RequestOutput(8, [], "error", "boom")])
     core.send(out)
     assert front.recv() == out
 
 
-def test_the_sampling_struct_carries_every_field_of_sampling_params():
-    """Fields added to SamplingParams must be added to Sampling too, or the front's request fails here."""
+def test_the_sampling_struct_is_built_from_sampling_params_fields():
     import dataclasses
 
     assert [f.name for f in dataclasses.fields(SamplingParams)] == list(Sampling.__struct_fields__)
+    assert params_of(sampling_of(SamplingParams())) == SamplingParams()
 
 
 def test_a_closed_end_reads_as_none(pair):

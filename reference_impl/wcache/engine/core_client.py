@@ -34,13 +34,13 @@ from wcache.engine.core_messages import (
     Planned,
     QueueFullError,
     Ready,
-    Sampling,
     Shutdown,
     Start,
     Status,
     StepOutputs,
     Unhealthy,
     front_channel,
+    sampling_of,
 )
 from wcache.engine.sampling import GREEDY, SamplingParams
 from wcache.engine.scheduler import QueueFull
@@ -155,7 +155,7 @@ class EngineCoreClient:
         with self._lock:
             self._boxes[rid] = box
         try:
-            self.channel.send(AddRequest(rid, ids, max_tokens, Sampling.from_params(sampling), sorted(self.stop_ids)))
+            self.channel.send(AddRequest(rid, ids, max_tokens, sampling_of(sampling), sorted(self.stop_ids)))
         except OSError:
             self._forget(rid)
             raise RuntimeError(CORE_FAILED.format(code=self.proc.poll())) from None

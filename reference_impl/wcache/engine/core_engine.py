@@ -34,6 +34,7 @@ from wcache.engine.core_messages import (
     StepOutputs,
     Token,
     Unhealthy,
+    params_of,
 )
 from wcache.engine.engine import Engine, rank_specs
 from wcache.engine.runner import RankRunner
@@ -182,7 +183,7 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         engine = self.engine
-        seq = Sequence(msg.prompt_token_ids, msg.max_tokens, Sampler(msg.sampling.to_params().seeded()),
+        seq = Sequence(msg.prompt_token_ids, msg.max_tokens, Sampler(params_of(msg.sampling).seeded()),
                        frozenset(msg.stop_token_ids))
         seq.outbox = _Outbox(self, msg.id)
         self._seqs[msg.id] = seq

@@ -20,6 +20,7 @@ import dataclasses
 import socket
 import struct
 import threading
+import typing
 from typing import Any
 
 import msgspec
@@ -40,19 +41,32 @@ class _Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     pass
 
 
-class Sampling(msgspec.Struct, forbid_unknown_fields=True):
-    """SamplingParams' fields, as they are (``from_params``/``to_params`` follow the dataclass)."""
+def _struct_of(cls, name: str) -> type[msgspec.Struct]:
+    """A Struct with ``cls``'s dataclass fields, types and defaults: a field added to the dataclass
+    (a penalty, logprobs) travels without a change here."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = msgspec.field(default_factory=f.default_factory)
+        else:
+            fields.append((f.name, hints[f.name]))
+            continue
+        fields.append((f.name, hints[f.name], default))
+    return msgspec.defstruct(name, fields, module=__name__, forbid_unknown_fields=True)
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
 
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> Sampling:
-        return cls(**dataclasses.asdict(p))
+Sampling = _struct_of(SamplingParams, "Sampling")  # SamplingParams on the channel
 
-    def to_params(self) -> SamplingParams:
-        return SamplingParams(**msgspec.structs.asdict(self))
+
+def sampling_of(params: SamplingParams) -> Sampling:
+    return Sampling(**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+
+
+def params_of(sampling: Sampling) -> SamplingParams:
+    return SamplingParams(**msgspec.structs.asdict(sampling))
 
 
 class Start(_Msg):
