@@ -45,12 +45,15 @@ from wcache.engine.core_messages import (
 from wcache.engine.sampling import GREEDY, SamplingParams
 from wcache.engine.scheduler import QueueFull
 from wcache.engine.textstream import TextStream
-from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER
+from wcache.errors import (
+    CORE_EXITED,
+    CORE_FAILED,
+    STREAM_OVERFLOW,
+    TEXT_WITHOUT_TOKENIZER,
+)
 
 log = logging.getLogger("wcache.engine")
 
-CORE_EXITED = "The engine core (pid {pid}) exited with status {code}; the requests in flight fail and /health answers 503"
-CORE_FAILED = "the engine core exited (status {code})"
 STOP_WAIT_S = 90.0  # the core's engine.close() waits up to 60 s for its step, then stops the ranks
 
 

@@ -41,10 +41,10 @@ from wcache.engine.runner import RankRunner
 from wcache.engine.sampling import Sampler
 from wcache.engine.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
 from wcache.engine.supervisor import Supervisor
+from wcache.errors import FRONT_GONE
 
 log = logging.getLogger("wcache.engine")
 
-FRONT_GONE = "The front process is gone (its channel closed): the engine core stops"
 STATUS_INTERVAL_S = 0.05  # how often the running/waiting gauges are compared and, if changed, sent
 ARRIVALS_QUIET_S = 0.002  # an idle engine's first step waits while requests still arrive this often
 

@@ -26,11 +26,10 @@ from typing import Any
 import msgspec
 
 from wcache.engine.sampling import SamplingParams
+from wcache.errors import FRAME_MALFORMED, FRAME_TOO_BIG
 
 MAX_FRAME_BYTES = 16 << 20  # a prompt of max_model_len token ids is far less
 _HEADER = struct.Struct(">I")
-MALFORMED = "malformed frame on the engine core channel: {error}"
-TOO_BIG = "frame of {size} bytes on the engine core channel; the limit is {limit}"
 
 
 class ChannelError(Exception):
@@ -178,7 +177,7 @@ class Channel:
             return None
         (size,) = _HEADER.unpack(head)
         if size > MAX_FRAME_BYTES:
-            raise ChannelError(TOO_BIG.format(size=size, limit=MAX_FRAME_BYTES))
+            raise ChannelError(FRAME_TOO_BIG.format(size=size, limit=MAX_FRAME_BYTES))
         body = self._read(size)
         if body is None:
             return None
@@ -208,7 +207,7 @@ def decode(decoder: msgspec.msgpack.Decoder, body: bytes):
     try:
         return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ChannelError(MALFORMED.format(error=e)) from None
+        raise ChannelError(FRAME_MALFORMED.format(error=e)) from None
 
 
 def front_channel(sock: socket.socket) -> Channel:
