@@ -32,6 +32,7 @@ from wcache.engine.core_messages import (
     AddRequest,
     ChannelError,
     Planned,
+    Proceed,
     QueueFullError,
     Ready,
     Shutdown,
@@ -94,6 +95,10 @@ class EngineCoreClient:
     def planned(self) -> Planned | None:
         """The core's first word (whether this node serves HTTP); None if it exited first."""
         return self._first(Planned)
+
+    def proceed(self) -> None:
+        """Let the core load (after Planned, once the port is held)."""
+        self.channel.send(Proceed())
 
     def wait_ready(self) -> Ready | None:
         """Blocks until the core has loaded (its Ready); None if it exited first. Then the reader runs."""

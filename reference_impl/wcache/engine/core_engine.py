@@ -26,6 +26,7 @@ from wcache.engine.core_messages import (
     ChannelError,
     LoadInfo,
     Planned,
+    Proceed,
     QueueFullError,
     Ready,
     RequestOutput,
@@ -115,6 +116,7 @@ class EngineCore:
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._last_add = 0.0
         self.stopping = threading.Event()
+        self.proceed = threading.Event()
         threading.Thread(target=self._sender, name="wcache-core-send", daemon=True).start()
 
     # -- to the front ----------------------------------------------------------------------------
@@ -167,6 +169,8 @@ class EngineCore:
                     seq = self._seqs.pop(msg.id, None)
                     if seq is not None and self.engine is not None:
                         self.engine.scheduler.cancel(seq)
+                elif isinstance(msg, Proceed):
+                    self.proceed.set()
                 elif isinstance(msg, Shutdown):
                     self.stopping.set()
                     return
@@ -226,6 +230,9 @@ def run_core(args, loader_config, channel) -> int:
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
     plan, specs = rank_specs(args, loader_config)
     core.send(Planned(plan.drives))
+    # Nothing loads before the front holds its port: a port already taken stays its one line, and
+    # the front ends this process before it has printed anything.
+    core.proceed.wait()
     runner = RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,

@@ -7,7 +7,7 @@ EngineCore also send msgpack). msgspec decodes it against the union below: a tag
 unknown fields, wrong types or missing fields are refused, never an object of a class the bytes
 name (no pickle). A frame over ``MAX_FRAME_BYTES`` or one that does not decode is a ``ChannelError``.
 
-Front to core: ``Start`` (the flags), ``AddRequest``, ``AbortRequest``, ``Shutdown``. Core to front: ``Planned`` (whether
+Front to core: ``Start`` (the flags), ``Proceed``, ``AddRequest``, ``AbortRequest``, ``Shutdown``. Core to front: ``Planned`` (whether
 this node serves HTTP), ``Ready`` (what the HTTP layer reads of the engine), ``StepOutputs`` (once per
 step: every request's new tokens, and its end), ``QueueFullError``, ``Status`` (the gauges) and
 ``Unhealthy`` (a rank died).
@@ -72,6 +72,10 @@ class Start(_Msg):
     """The front's first frame: `wcache serve`'s parsed flags (without the API key, the front's)."""
 
     flags: dict[str, Any]
+
+
+class Proceed(_Msg):
+    """After Planned: the front holds its port (or serves no HTTP on this node); the core loads."""
 
 
 class AddRequest(_Msg):
@@ -152,7 +156,7 @@ class Status(_Msg):
     daemon_alive: float | None = None  # zero_copy only (engine/metrics.py)
 
 
-ToCore = Start | AddRequest | AbortRequest | Shutdown
+ToCore = Start | Proceed | AddRequest | AbortRequest | Shutdown
 ToFront = Planned | Ready | StepOutputs | QueueFullError | Status | Unhealthy
 
 

@@ -43,12 +43,14 @@ def run_front(args) -> int:
         if planned is None:  # the core refused the flags (its own log line says why)
             return client.exit_code()
         if not planned.drives:  # another node serves HTTP: this one's ranks follow it
+            client.proceed()
             return proc.wait()
         server = EngineServer.from_args(args, None, None, served)
-    except BaseException:
+    except BaseException:  # the port taken, say: the core has waited, silent, for Proceed
         proc.kill()
         proc.wait()
         raise
+    client.proceed()
     log.info("Serving on http://%s:%d (health 503 until the engine core has loaded)", args.host, args.port)
     served.log_found()
     client._on_unhealthy = lambda: setattr(server, "ready", False)
