@@ -89,7 +89,7 @@ class EngineCoreClient:
         self._lock = threading.Lock()
         self._running = self._waiting = 0
         self._alive: float | None = None
-        self._on_unhealthy = None
+        self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
 
     # -- start-up (the front's main thread) ------------------------------------------------------
     def planned(self) -> Planned | None:
@@ -233,8 +233,8 @@ class EngineCoreClient:
                         box = self._boxes.get(msg.id)
                     if box is not None:
                         box.put(QueueFull(msg.waiting, msg.limit))
-                elif isinstance(msg, Unhealthy) and self._on_unhealthy is not None:
-                    self._on_unhealthy()
+                elif isinstance(msg, Unhealthy) and self.on_unhealthy is not None:
+                    self.on_unhealthy()
         except ChannelError as e:
             log.error("%s", e)
         self._gone()

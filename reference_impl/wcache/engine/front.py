@@ -44,7 +44,8 @@ def run_front(args) -> int:
             return client.exit_code()
         if not planned.drives:  # another node serves HTTP: this one's ranks follow it
             client.proceed()
-            return proc.wait()
+            code = proc.wait()
+            return code if code >= 0 else 1
         server = EngineServer.from_args(args, None, None, served)
     except BaseException:  # the port taken, say: the core has waited, silent, for Proceed
         proc.kill()
@@ -53,7 +54,7 @@ def run_front(args) -> int:
     client.proceed()
     log.info("Serving on http://%s:%d (health 503 until the engine core has loaded)", args.host, args.port)
     served.log_found()
-    client._on_unhealthy = lambda: setattr(server, "ready", False)
+    client.on_unhealthy = lambda: setattr(server, "ready", False)
     died = threading.Event()
 
     def on_death() -> None:  # the reader thread: the core's channel closed while we did not stop it
