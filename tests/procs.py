@@ -63,6 +63,24 @@ def child_pids(pid: int) -> list[int]:
     return sorted(found)
 
 
+def engine_workers(serve_pid: int) -> list[int]:
+    """The other local ranks of a `wcache serve` process: its children, or with
+    WCACHE_ENABLE_V1_MULTIPROCESSING=1 (a front and an engine core) the engine core's."""
+    workers = []
+    for child in child_pids(serve_pid):
+        try:
+            core = b"wcache.engine.core_proc" in Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        workers += child_pids(child) if core else [child]
+    return workers
+
+
+def two_processes() -> bool:
+    """Whether this run's `wcache serve` is a front and an engine core (engine/front.py)."""
+    return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") == "1"
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs: a zombie (exited, not yet reaped by whoever adopted it) does not."""
     try:

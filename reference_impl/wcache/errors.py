@@ -462,6 +462,13 @@ DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepti
 DRAINING = "Stopped accepting; draining {n} in-flight request(s) for up to {timeout:g} s"
 DRAIN_CUT = "Drain deadline of {timeout:g} s passed: ending {n} request(s) with an error"
 DRAINED = "Drained in {seconds:.1f} s"
+# -- `wcache serve` as a front and an engine core (engine/front.py, engine/core_*.py) ------------------
+CORE_EXITED = ("The engine core (pid {pid}) exited with status {code}; the requests in flight fail and /health "
+               "answers 503")
+CORE_FAILED = "the engine core exited (status {code})"  # each request in flight: "the engine failed: ..."
+FRONT_GONE = "The front process is gone (its channel closed): the engine core stops"
+FRAME_MALFORMED = "malformed frame on the engine core channel: {error}"
+FRAME_TOO_BIG = "frame of {size} bytes on the engine core channel; the limit is {limit}"
 # -- the checkpoint's tokenizer and stop ids (model/tokenizer.py, model/generation_config.py) ---------
 NO_TOKENIZER = ("No tokenizer in {dir}: it has no tokenizer.json. Give the directory of the model's tokenizer "
                 "with --tokenizer DIR, or serve token ids only with --skip-tokenizer-init")

@@ -222,7 +222,7 @@ def package_env_vars() -> set[str]:
     """WCACHE_* names the package reads (internal process specs and a rank's pipes excluded)."""
     names = set()
     for f in PACKAGE.rglob("*.py"):  # the package has subpackages
-        names |= set(re.findall(r"[\"'](WCACHE_[A-Z_]+)[\"']", f.read_text(encoding="utf-8")))
+        names |= set(re.findall(r"[\"'](WCACHE_[A-Z0-9_]+)[\"']", f.read_text(encoding="utf-8")))
     return {n for n in names if not n.endswith("_SPEC") and not n.startswith("WCACHE_PIPED_")}
 
 

@@ -17,7 +17,7 @@ from wcache.engine import gpu_steps
 from wcache.engine.engine import Engine
 from wcache.engine.gpu_steps import TILE_ROWS
 from wcache.engine.runner import EngineOptions
-from wcache.engine.sampling import SamplingParams
+from wcache.engine.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,7 @@ from wcache.engine import fanout
 from wcache.engine import openai_api as api
 from wcache.engine.engine import Engine
 from wcache.engine.runner import EngineOptions
-from wcache.engine.sampling import SamplingParams
+from wcache.engine.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

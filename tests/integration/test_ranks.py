@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import _healthy, alive, child_pids, complete, free_port, http, wait_until
+from procs import _healthy, alive, child_pids, complete, engine_workers, free_port, http, two_processes, wait_until
 import prompt_ids as tokenizer
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig, Ranks
@@ -120,7 +120,7 @@ def test_tp2_shards_serve_health_and_sigterm(procs, model32, expected, wcache_en
     assert engine.log().count("Mapped 27 tensors from the weight cache daemon (zero_copy mode)") == 2
     assert tokens(engine.port) == expected
     # An engine rank that dies turns the engine's /health to 503, as a daemon rank does the launcher's.
-    (worker,) = child_pids(engine.pid)
+    (worker,) = engine_workers(engine.pid)
     os.kill(worker, signal.SIGKILL)
     wait_until(lambda: http("GET", f"http://127.0.0.1:{engine.port}/health")[0] == 503, what="engine /health 503")
     assert WORKERS_EXITED.format(codes={1: -9}) in engine.log()
@@ -342,14 +342,16 @@ def test_engine_ranks_that_offered_withdraw_their_offers_when_stopped(procs, mod
     to the engine's process group (`kill -- -$ENGINE`) then leaves no offer behind: the serve process
     closes its leases; the worker, whose main thread waits inside a collective, withdraws its offer
     on SIGTERM and still dies by it. A SIGKILLed serve process cannot withdraw its own offer (the
-    next daemon removes it as stale), but its worker, signalled by PDEATHSIG, withdraws its own."""
+    next daemon removes it as stale), but its worker, signalled by PDEATHSIG, withdraws its own. With
+    WCACHE_ENABLE_V1_MULTIPROCESSING=1 the SIGKILLed process is the front: the engine core (rank 0)
+    sees its channel close and stops, withdrawing its offer too."""
     socket_dir = prepare_socket_dir(None, create=False)
     for stop in ("group SIGTERM", "serve SIGKILL"):
         pre = procs.preload(model32, "-tp", "2", NO_TUNE)
         engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE,
                              "--load-format", "ipc_cache", "--model-loader-extra-config", loader_json())
         assert tokens(engine.port) == expected
-        (worker,) = child_pids(engine.pid)
+        (worker,) = engine_workers(engine.pid)
         assert pre.stop(signal.SIGTERM) == 0
         wait_until(lambda: engine.log().count("offers them to the next daemon") == 2, what="both engine ranks to offer")
         offered = {offer_of(engine.log(), r) for r in (0, 1)}
@@ -365,5 +367,9 @@ def test_engine_ranks_that_offered_withdraw_their_offers_when_stopped(procs, mod
             os.kill(engine.pid, signal.SIGKILL)
             assert engine.exit_code(60) == -signal.SIGKILL
             wait_until(lambda: gone(worker), what="the worker to exit on PDEATHSIG")
-            assert offers_in(socket_dir) & offered == {offer_of(engine.log(), 0)}  # the serve process's own
-            (socket_dir / offer_of(engine.log(), 0)).unlink()
+            if two_processes():  # the front killed: the engine core (rank 0) sees its channel close
+                # and stops as on SIGTERM, withdrawing its own offer too
+                wait_until(lambda: not offers_in(socket_dir) & offered, what="rank 0's offer withdrawn")
+            else:
+                assert offers_in(socket_dir) & offered == {offer_of(engine.log(), 0)}  # the serve process's own
+                (socket_dir / offer_of(engine.log(), 0)).unlink()

@@ -131,7 +131,7 @@ def test_ranks_batch_in_lockstep(model16, layout):
     import threading
 
     from wcache.engine.engine import Engine
-    from wcache.engine.sampling import SamplingParams
+    from wcache.engine.sampling_params import SamplingParams
 
     prompts = [f"Request {i} asks" for i in range(6)]
     params = [SamplingParams() if i % 2 else SamplingParams(0.9, 0.95, 7 + i) for i in range(6)]

@@ -93,6 +93,10 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if _two_processes(["--respawn"] if args.respawn else []):  # the front: no torch here (engine/front.py)
+        from wcache.engine.front import run_front
+
+        return run_front(args)
     from wcache.engine.engine import run_serve
     from wcache.engine.loading.config import parse_loader_config
 
@@ -127,11 +131,23 @@ def cmd_bench(args) -> int:
     return run_bench(settings)
 
 
+def _two_processes(argv: list[str]) -> bool:
+    """`wcache serve` as a front and an engine core (engine/front.py says when)."""
+    import os
+
+    if os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") != "1":
+        return False
+    from wcache.engine.front import enabled
+
+    return enabled("--respawn" in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     no_dump.forbid()  # the engine's and the launcher's memory, sockets and keys: see core/no_dump.py
     argv = sys.argv[1:] if argv is None else argv
     command = command_named(argv)
-    if command == "serve":  # the CUDA context is made while the engine imports (early_context.py)
+    if command == "serve" and not _two_processes(argv):  # the CUDA context is made while the engine imports
+        # (early_context.py); a front leaves the device to its engine core
         from wcache.engine import early_context
 
         early_context.start(argv)

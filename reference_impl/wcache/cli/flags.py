@@ -39,8 +39,8 @@ def add_make_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from wcache.core.config import DTYPE_CHOICES
-    from wcache.model.quant import CHOICES
+    from wcache.core.flag_defaults import DTYPE_CHOICES
+    from wcache.core.flag_defaults import QUANTIZATION_CHOICES as CHOICES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and compute dtype; auto takes config.json's dtype (or torch_dtype), else the stored weights'")
@@ -88,7 +88,7 @@ def _positive_float(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    from wcache.engine.memory import parse_bytes
+    from wcache.core.sizes import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -98,7 +98,7 @@ def _size(text: str) -> int:
 
 def add_parallel_args(p) -> None:
     """Engine flags shared by ``serve`` and ``preload`` (so both plan the same ranks)."""
-    from wcache.core.ranks import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+    from wcache.core.flag_defaults import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -139,7 +139,7 @@ def add_daemon_port_args(g) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from wcache.engine.runner import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
+    from wcache.core.flag_defaults import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
 
     # vLLM's serve takes the model both ways: `vllm serve DIR` and `vllm serve --model DIR`.
     p.add_argument("model", nargs="?", default=None, help="model directory (config.json + *.safetensors)")

@@ -18,7 +18,7 @@ from wcache.engine.chat_template import ChatTemplate, RenderError
 from wcache.engine.openai_api import ApiError, Field
 from wcache.engine import sampling_fields as fields
 from wcache.engine.logprob_answers import chat_logprobs
-from wcache.engine.sampling import SamplingParams
+from wcache.engine.sampling_params import SamplingParams
 from wcache.engine.sampling_fields import StopRules
 from wcache.errors import (
     BOOLEAN_FIELD, CHAT_TEMPLATE_KWARGS, CHAT_TEMPLATE_RENDER, MESSAGE_CONTENT, MESSAGE_FIELD, MESSAGE_PART,

@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +25,8 @@ from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
 from wcache.core.settings import from_flags
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
-from wcache.engine.logprobs import PromptScores, Sampled, score_prompt
+from wcache.engine.completion import STREAM_BUFFER_TOKENS, Completion, Sampled, _End, read_completion
+from wcache.engine.logprobs import score_prompt
 from wcache.engine.loop_thread import LoopThread
 from wcache.engine.runner import (
     OP_KEEPALIVE,
@@ -46,7 +46,7 @@ from wcache.engine.sampling import (
 from wcache.engine.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (QueueFull: the HTTP layer's)
 from wcache.engine.settings import EngineSettings
 from wcache.engine.step_clock import StepClock
-from wcache.engine.textstream import TextPiece, TextStream
+from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
 from wcache.errors import ENGINE_DEAD, STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
 from wcache.model import generation_config
@@ -55,37 +55,12 @@ from wcache.model.tokenizer import Tokenizer
 log = logging.getLogger("wcache.engine")
 
 KEEPALIVE_S = 60.0
-# Tokens a request's thread may fall behind the engine loop (a streaming client that stops reading,
-# once the socket's buffers are full) before the engine ends that request and frees its slot.
-STREAM_BUFFER_TOKENS = 256
 GIL_SWITCH_S = 0.0005  # a GPU engine's Python thread switch interval (sys.setswitchinterval)
 
 # Logged when the engine stops; the HTTP bench reads them (what the loop adds to the forward passes,
 # and where a step's time goes: step_clock.py).
 STEP_STATS = "Engine steps (ms per step): {json}"
 STEP_PROFILE = "Engine step profile: {json}"
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stop_reason: str | int | None  # the stop string or stop_token_ids id that ended it (None for EOS or length)
-    prompt_tokens: int
-    first_token_at: float | None = None  # time.monotonic() of the first token (the metrics' time to first token)
-    logprobs: tuple[Sampled, ...] = ()  # one per token of token_ids, when the request asked for logprobs
-    prompt_logprobs: PromptScores | None = None  # when it asked for the prompt's (echo, prompt_logprobs)
-    prompt_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class _End:
-    """The last item of a sequence's outbox: why it ended ("eos", "length", "cancelled",
-    "overflow", "abort" when the engine stops, "error" when the engine loop failed)."""
-
-    reason: str
-    error: BaseException | None = None
 
 
 class StepStats:
@@ -167,6 +142,18 @@ class Engine:
         return self.runner.draft is not None
 
     @property
+    def load_format(self) -> str:
+        return self.runner.options.load_format
+
+    def daemon_alive(self) -> float | None:
+        """zero_copy: whether the daemon whose memory this engine maps still holds the lease
+        (engine/metrics.py); None for other loads."""
+        from wcache.engine.metrics import daemon_alive
+
+        lease = self.runner.loads[0].lease if self.runner.loads else None
+        return daemon_alive(lease) if lease is not None else None
+
+    @property
     def max_num_seqs(self) -> int:
         """Sequences decoded together: --max-num-seqs, or fewer if the KV cache holds fewer."""
         return self.runner.num_seqs
@@ -211,7 +198,6 @@ class Engine:
         seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), stop_ids)
         # min_tokens holds back every stop id, the EOS ones even with ignore_eos (vLLM's _all_stop_token_ids)
         seq.sampler.bind(seq.prompt, seq.out, self.stop_ids | own_stops)
-        each_token = sampling.logprobs is not None
         if self.closed:
             raise RuntimeError("the engine is stopping")
         self.scheduler.add(seq)
@@ -219,52 +205,9 @@ class Engine:
             queued()
         text = TextStream(self.tokenizer.stream(skip_special_tokens) if self.tokenizer else None, stop,
                           include_stop, sampling.min_tokens)
-        out: list[int] = []
-        scores: list[Sampled] = []
-        prompt_scores = None
-        gone = False
-        end = None
-        first_at = None
-        try:
-            while True:
-                item = seq.outbox.get()
-                if isinstance(item, _End):
-                    end = item
-                    break
-                if isinstance(item, PromptScores):
-                    prompt_scores = item
-                    continue
-                if not out:
-                    first_at = time.monotonic()
-                out.append(item.id)
-                if each_token:
-                    scores.append(item)
-                piece = text.push(item.id, item.id in stop_ids)
-                if each_token and not gone:
-                    gone = bool((yield TextPiece(piece, (item,), prompt_scores if len(out) == 1 else None)))
-                elif piece and not gone:
-                    gone = bool((yield TextPiece(piece, (), prompt_scores if len(out) == 1 else None)))
-                if text.stopped or gone:
-                    self.scheduler.cancel(seq)
-                    break
-        except GeneratorExit:  # closed: nobody reads on
-            self.scheduler.cancel(seq)
-            raise
-        if end is not None and end.reason == "error":
-            raise RuntimeError(f"the engine failed: {end.error}") from end.error
-        rest = text.finish()
-        if rest and not gone:
-            yield TextPiece(rest)
-        if end is not None and end.reason in ("overflow", "abort"):
-            finish = "abort"  # vLLM's finish reason for a request the engine ended
-        else:
-            finish = "stop" if text.stopped or (out and out[-1] in stop_ids) else "length"
-        stop_reason = text.stop_reason
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
-        if finish == "stop" and stop_reason is None and out[-1] in own_stops and out[-1] != eos:
-            stop_reason = out[-1]  # vLLM: a stop_token_ids id is the stop reason, the EOS id is not
-        return Completion(text.text, out, finish, stop_reason, len(ids), first_at, tuple(scores), prompt_scores,
-                          tuple(ids))
+        return (yield from read_completion(seq.outbox.get, lambda: self.scheduler.cancel(seq), ids, stop_ids,
+                                           own_stops, eos, text, sampling.logprobs is not None))
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, list[int], str, int]:
         """Greedy (text, token ids, finish reason, prompt tokens)."""
@@ -357,7 +300,7 @@ class Engine:
 
     def _pass(self, phase: str, run, seqs: list[Sequence] | None, scored: bool = False):
         """``run()``, one forward pass (or a speculative round, ``seqs`` None: its tokens), and the
-        tokens sampled from its logits for ``seqs`` (logprobs.Sampled records), each part timed on
+        tokens sampled from its logits for ``seqs`` (completion.Sampled records), each part timed on
         the step's clock. ``scored``: the pass gave every prompt position's logits (one sequence),
         and its prompt is scored before its first token is handed."""
         clock = self.clock

@@ -1,4 +1,4 @@
-"""Log-probabilities as vLLM returns them, and the one record the engine loop hands per token.
+"""Log-probabilities as vLLM returns them (the records they fill are completion.py's).
 
 vLLM's default (``logprobs_mode="raw_logprobs"``) scores a token by ``log_softmax`` of the model's
 own logits, before temperature, penalties, logit bias or any truncation touch them: the numbers
@@ -9,32 +9,9 @@ Formatting them as OpenAI's objects is the API layer's (openai_api.py, chat.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-# vLLM's --max-logprobs default: the most top log-probabilities a request may ask for.
-MAX_LOGPROBS = 20
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """One token as the engine loop hands it to the request's thread: its id and, when the request
-    asked for log-probabilities, the token's logprob, its rank and the top ``k`` (id, logprob)."""
-
-    id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PromptScores:
-    """The prompt's tokens scored (echo with logprobs, prompt_logprobs): one entry per prompt token,
-    the first None (nothing precedes it), handed once before the first generated token."""
-
-    ids: tuple[int, ...]
-    entries: tuple[Sampled | None, ...]
+from wcache.engine.completion import PromptScores, Sampled
 
 
 def score(row: torch.Tensor, token: int, k: int) -> Sampled:

@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import re
 import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -68,22 +67,8 @@ KV_ALLOCATED = ("KV cache: {seqs} sequence(s) of {tokens} tokens allocated ({siz
 SEQS_LOWERED = ("Max number of sequences {want} lowered to {seqs}: the KV cache budget holds {tokens} tokens, "
                 "{seqs} sequence(s) of --max-model-len {length}")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-SIZE_HELP = "bytes, or a number with a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB"
-
-
-def parse_bytes(text: str) -> int:
-    """``"8GiB"`` -> 8589934592; plain integers are bytes. ValueError (with the accepted forms) otherwise."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: give {SIZE_HELP}")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"{text!r} is not a positive size")
-    return n
+# Sizes are parsed where `wcache serve`'s flags are, in a module without torch (the front process).
+from wcache.core.sizes import SIZE_HELP, parse_bytes  # noqa: F401 (the engine's own callers and tests')
 
 
 def format_bytes(n: int) -> str:

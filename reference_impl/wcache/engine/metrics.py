@@ -149,7 +149,7 @@ class EngineMetrics:
             if self._counted_load:
                 return
             self._counted_load = True
-        labels = load_labels(engine.report, engine.runner.options.load_format)
+        labels = load_labels(engine.report, engine.load_format)
         self.stored[LOADS.name].labels(self.server.model_name, labels["source"]).inc()
         if labels["reason"]:
             self.stored[FALLBACKS.name].labels(self.server.model_name, labels["reason"]).inc()
@@ -211,13 +211,13 @@ class _Live:
         if not ready:
             return
         engine = server.engine
-        how = load_labels(engine.report, engine.runner.options.load_format)
+        how = load_labels(engine.report, engine.load_format)
         yield m.live_family(WEIGHTS, [((name, how["load_format"], how["source"], how["mode"], how["transport"]), 1.0)])
         yield m.live_family(LOAD_SECONDS, [((name,), engine.report.seconds)])
         yield m.live_family(MAPPED_BYTES, [((name,), engine.report.external_bytes)])
         yield m.live_family(FALLBACK, [((name, how["reason"]), 1.0)] if how["reason"] else [])
-        lease = engine.runner.loads[0].lease if engine.runner.loads else None
-        yield m.live_family(DAEMON_ALIVE, [((name,), daemon_alive(lease))] if lease is not None else [])
+        alive = engine.daemon_alive()  # None: not a zero_copy load
+        yield m.live_family(DAEMON_ALIVE, [((name,), alive)] if alive is not None else [])
 
 
 def render_metrics(server) -> tuple[bytes, str]:

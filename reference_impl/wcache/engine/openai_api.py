@@ -18,7 +18,7 @@ from http import HTTPStatus
 
 from wcache.engine import sampling_fields as fields
 from wcache.engine.logprob_answers import CompletionLogprobs, prompt_logprobs
-from wcache.engine.sampling import SamplingParams
+from wcache.engine.sampling_params import SamplingParams
 from wcache.engine.sampling_fields import StopRules
 from wcache.errors import (  # the texts live with every other user-facing text
     MODEL_NOT_FOUND, NO_CHAT_TEMPLATE, NOT_JSON, NOT_AN_OBJECT, UNKNOWN_FIELD, REFUSED_FIELD, PROMPT_REQUIRED,

@@ -11,7 +11,6 @@ import json
 import math
 from dataclasses import dataclass
 
-from wcache.engine.logprobs import MAX_LOGPROBS
 from wcache.errors import (
     BOOLEAN_FIELD, DRAFT_SAMPLING_FIELD, FREQUENCY_PENALTY, INTEGER_FIELD, LOGIT_BIAS_KEY, LOGIT_BIAS_SHAPE,
     LOGIT_BIAS_VOCAB, LOGPROBS_NEGATIVE, LOGPROBS_TOO_MANY, MIN_P, MIN_TOKENS, MIN_TOKENS_OVER_MAX, N_RANGE,
@@ -19,6 +18,9 @@ from wcache.errors import (
     REPETITION_PENALTY, STOP_TOKEN_IDS, TOKEN_OUT_OF_VOCAB, TOP_K, TOP_LOGPROBS_NEGATIVE,
     TOP_LOGPROBS_WITHOUT_LOGPROBS,
 )
+
+# vLLM's --max-logprobs default: the most top log-probabilities a request may ask for.
+MAX_LOGPROBS = 20
 
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100], as OpenAI documents
 

@@ -27,8 +27,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from wcache.engine.sampling import Sampler
+if TYPE_CHECKING:  # the front process imports QueueFull from here, and no torch
+    from wcache.engine.sampling import Sampler
 
 
 # The longest an idle engine's first step waits for requests still arriving. 16 streaming clients

@@ -314,6 +314,11 @@ class _Handler(FrontDoorHandler):
             except QueueFull as e:
                 self._queue_full(e)
                 return
+            except RuntimeError as e:  # the engine failed: a lost rank, an engine core that died
+                log.error("A completion failed: %s", e)
+                self.close_connection = True
+                self._error(500, str(e)[:200])
+                return
             for c in done:
                 timing.finish(c, "abort" if gone or cut else None)
         record.prompt_tokens = sum(c.prompt_tokens for c in done[::req.n])
@@ -381,6 +386,14 @@ class _Handler(FrontDoorHandler):
                 log.error("A streamed completion failed: %s", item)
                 if not started:
                     self._error(500, str(item)[:200])
+                else:  # the client hears why its stream ends, as a drain's deadline says it
+                    self._event(api.error_body(500, str(item)[:200]), gone)
+                    self._event(api.DONE, gone)
+                    if self.chunked and not gone.is_set():
+                        try:
+                            self.wfile.write(b"0\r\n\r\n")
+                        except OSError:
+                            pass
                 return
             if not started:
                 start()
