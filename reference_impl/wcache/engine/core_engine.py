@@ -131,9 +131,9 @@ class EngineCore:
             msg = self._out.get()
             if isinstance(msg, tuple):  # a step's outputs, built here rather than on the step loop
                 pending, running, waiting = msg
-                msg = StepOutputs([RequestOutput(rid, [token_of(t) for t in toks],
-                                                 prompt_scored_of(scores) if scores is not None else None,
-                                                 end and end.reason, str(end.error) if end and end.error else None)
+                msg = StepOutputs([RequestOutput(rid, [token_of(t) for t in toks], end and end.reason,
+                                                 str(end.error) if end and end.error else None,
+                                                 prompt_scored_of(scores) if scores is not None else None)
                                    for rid, (toks, end, scores) in pending], running, waiting)
             try:
                 self.channel.send(msg)

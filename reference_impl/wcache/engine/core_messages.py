@@ -156,11 +156,11 @@ def prompt_scores_of(p: PromptScored) -> PromptScores:
 class RequestOutput(msgspec.Struct, forbid_unknown_fields=True):
     id: int
     tokens: list[Token] = []
-    prompt_scores: PromptScored | None = None  # once, before the first token (echo, prompt_logprobs)
     # Set on a request's last output: "eos", "length", "cancelled", "abort" (the engine stops),
     # "error" (the step loop failed, with ``error`` its text).
     finished: str | None = None
     error: str | None = None
+    prompt_scores: PromptScored | None = None  # once, before the first token (echo, prompt_logprobs)
 
 
 class StepOutputs(_Msg):
