@@ -19,6 +19,7 @@ import threading
 import time
 
 from wcache.core.distributed import exit_after_collectives
+from wcache.core.settings import from_flags
 from wcache.engine.completion import PromptScores, _End
 from wcache.engine.core_messages import (
     AbortRequest,
@@ -42,6 +43,7 @@ from wcache.engine.engine import Engine, rank_specs
 from wcache.engine.runner import RankRunner
 from wcache.engine.sampling import Sampler
 from wcache.engine.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
+from wcache.engine.settings import EngineSettings
 from wcache.engine.supervisor import Supervisor
 from wcache.errors import ENGINE_DEAD, FRONT_GONE
 
@@ -235,7 +237,7 @@ def run_core(args, loader_config, channel) -> int:
     """``run_serve``'s start-up and step loop, with the front on the other end of ``channel``."""
     core = EngineCore(channel)
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
-    plan, specs = rank_specs(args, loader_config)
+    plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
     core.send(Planned(plan.drives))
     # Nothing loads before the front holds its port: a port already taken stays its one line, and
     # the front ends this process before it has printed anything.
