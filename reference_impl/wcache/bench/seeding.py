@@ -6,16 +6,18 @@ model directories hold every file of the checkpoint but the shards, each with it
 directory and cache root, as on other hosts. Per measurement:
 
 * ``raw_tcp_gb_per_s``: the arena's byte count sent by this process over one loopback TCP connection
-  to a child process that receives it into a buffer of that size, allocated once connected as a
-  replica's arena is (Python sendall and recv_into, no check): what a seed's transfer cannot beat
-  here; ``raw_tcp_touched_gb_per_s``: the same into a buffer allocated and touched beforehand;
+  to a child process that receives it into a buffer of that size, allocated once connected (Python
+  sendall and recv_into, no check): a plain copy of the same bytes into new memory, which a replica's
+  arena also is; ``raw_tcp_touched_gb_per_s``: the same into a buffer allocated and touched
+  beforehand, which no new replica has (its pages are what the plain copy pays for, a fault each);
 * ``seed_gb_per_s``: the arena's bytes over the seconds the replica logs from dialling the source to
   the digests checked (header, stream, verification), with a source whose round window is 0;
 * ``single_s``: one replica daemon from its spawn to READY (interpreter, imports, seeding, autotune
   from the source), against ``disk_s``: the same daemon with the shards and
   ``--weight-cache-seed-weights never``, which hashes and reads them (its autotune cache seeded too);
 * ``fanout_s``: N replicas spawned at once, to the last READY, from a source whose round window is
-  ``window_s`` (it waits that long for the replicas that ask, so they form one round);
+  ``window_s`` and that expects ``round_replicas`` (N): the round starts once the N have asked, or at
+  the window's end with those that did;
 * ``source_bytes_sent_N``: what the source daemon's round sent (its log), against ``model_bytes``,
   the arena's size; each replica's own bytes sent are in ``replica_bytes_sent_N``.
 """
@@ -101,10 +103,11 @@ class Bench:
         return DaemonUnderTest(str(model), self.args.device, self.args.dtype, sockets, extra=extra, wait=wait,
                                log_name=f"{name}-{self.n}.log", env=env)
 
-    def source(self, window: float) -> tuple[DaemonUnderTest, str]:
+    def source(self, window: float, expect: int | None = None) -> tuple[DaemonUnderTest, str]:
         address = f"127.0.0.1:{free_port()}"
+        expected = ("--weight-cache-seed-round-replicas", str(expect)) if expect else ()
         return self.daemon(self.args.model, "--weight-cache-seed-listen", address,
-                           "--weight-cache-seed-round-window", str(window), name="source"), address
+                           "--weight-cache-seed-round-window", str(window), *expected, name="source"), address
 
     def replicas(self, address: str, n: int) -> tuple[float, list[dict]]:
         t0 = time.monotonic()
@@ -161,7 +164,7 @@ def run_bench_seed(args) -> int:
         model_bytes = rounds[0]["arena"]
         raw = [raw_tcp_s(model_bytes) for _ in range(repeat)]
         touched = [raw_tcp_s(model_bytes, fresh=False) for _ in range(repeat)]
-        src, address = bench.source(window)
+        src, address = bench.source(window, fan)
         fan_s, fan_rep = bench.replicas(address, fan)
         fan_round = _round(src, fan)
         src.stop()
@@ -175,7 +178,7 @@ def run_bench_seed(args) -> int:
               "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
               "seed_s": round(seed_s, 4), "raw_tcp_s": round(raw_s, 4), "single_source_round_s": rounds[0]["seconds"],
               "single_s": round(single_s, 3), "disk_s": round(statistics.median(disk), 3),
-              "window_s": window, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
+              "window_s": window, "round_replicas": fan, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
               f"fanout_{fan}_how": fan_round["how"], f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
               f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
               "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],

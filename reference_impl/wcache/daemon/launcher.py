@@ -268,7 +268,8 @@ def _run_ranks(args, cfg, plan, planned, locks, seeding, stop: StopFlag) -> int:
     t0 = time.perf_counter()
     spec.update(autotune=getattr(args, "enable_autotune", True), seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"], seed_weights=seeding["seed_weights"],
-                seed_window_s=seeding["seed_window_s"], seed_stall_s=seeding["seed_stall_s"])
+                seed_window_s=seeding["seed_window_s"], seed_round_replicas=seeding["seed_round_replicas"],
+                seed_stall_s=seeding["seed_stall_s"])
     seeds = seeding["seeds"]
     ranks = []
     try:

@@ -240,7 +240,8 @@ class RankDaemon:
             served = {"manifest": manifest(self.arena.layout), "aliases": self.aliases, "attrs": self.attrs,
                       "weights_bytes": self.weights_bytes}
             weights = WeightSource(self.rank, self.key, self.cfg.model, self.shards, served,
-                                   lambda: None if self.released else self.arena, self.spec.get("seed_window_s"))
+                                   lambda: None if self.released else self.arena, self.spec.get("seed_window_s"),
+                                   self.spec.get("seed_round_replicas"))
             self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
                                                lambda: self.autotune_doc, self.rank, self.metrics.seed_answer,
                                                weights=weights).start()

@@ -33,6 +33,7 @@ from wcache.core import autotune
 from wcache.core.config import EngineConfig
 from wcache.errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
 from wcache.core.fingerprint import mismatched_fields
+from wcache.daemon.weight_source import MAX_ROUND
 from wcache.wire.protocol import (
     ProtocolError,
     close_fds,
@@ -85,9 +86,12 @@ def preload_seed_settings(args) -> dict:
     for flag, value in (("--weight-cache-seed-round-window", window), ("--weight-cache-seed-stall-timeout", stall)):
         if value is not None and not 0 <= value <= 3600:  # also NaN
             raise SeedConfigError(SeedConfigError.BAD_SECONDS.format(flag=flag, value=value))
+    expect = getattr(args, "weight_cache_seed_round_replicas", None)
+    if expect is not None and not 1 <= expect <= MAX_ROUND:
+        raise SeedConfigError(SeedConfigError.BAD_ROUND_REPLICAS.format(value=expect, max=MAX_ROUND))
     return {"seed_listen": list(listen) if listen else None, "seed_token": token, "seeds": seeds,
             "seed_weights": getattr(args, "weight_cache_seed_weights", None) or "auto", "seed_window_s": window,
-            "seed_stall_s": stall}
+            "seed_round_replicas": expect, "seed_stall_s": stall}
 
 
 def _digest(token) -> bytes:
