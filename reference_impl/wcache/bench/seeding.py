@@ -18,6 +18,8 @@ directory and cache root, as on other hosts. Per measurement:
 * ``fanout_s``: N replicas spawned at once, to the last READY, from a source whose round window is
   ``window_s`` and that expects ``round_replicas`` (N): the round starts once the N have asked, or at
   the window's end with those that did;
+* ``load_avg_1m``: the host's 1-minute load average before and after the run (other work competes
+  for the same cores: the fan-out is CPU-bound here);
 * ``source_bytes_sent_N``: what the source daemon's round sent (its log), against ``model_bytes``,
   the arena's size; each replica's own bytes sent are in ``replica_bytes_sent_N``.
 """
@@ -146,6 +148,7 @@ def run_bench_seed(args) -> int:
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())  # every daemon of the run inherits it
     fan, window, repeat = args.seed_replicas, args.seed_window, max(1, args.repeat)
     bench = Bench(args, work)
+    load_before = os.getloadavg()  # the host's other work: this bench is CPU-bound on a small host
     try:
         src, address = bench.source(0.0)
         singles, seeds, rounds = [], [], []
@@ -172,7 +175,8 @@ def run_bench_seed(args) -> int:
         shutil.rmtree(work, ignore_errors=True)
     seed_s, raw_s = statistics.median(seeds), statistics.median(raw)
     single_s = statistics.median(singles)
-    record = {**environment(cfg.device), "model": Path(args.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
+    record = {**environment(cfg.device), "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+              "model": Path(args.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
               "model_bytes": model_bytes,
               "seed_gb_per_s": round(model_bytes / seed_s / 1e9, 3), "raw_tcp_gb_per_s": round(model_bytes / raw_s / 1e9, 3),
               "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
