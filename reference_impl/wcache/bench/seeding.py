@@ -3,7 +3,9 @@ several, and against a replica that reads its own shards, measured in one run on
 
 Real daemons throughout: a source (`wcache preload --weight-cache-seed-listen`) and replicas whose
 model directories hold every file of the checkpoint but the shards, each with its own socket
-directory and cache root, as on other hosts. Per measurement:
+directory and cache root, as on other hosts. Each repeat takes every measurement once, in turn (the
+medians are recorded, every sample under ``samples``), so that the host's other work weighs on each
+side of a comparison alike. Per measurement:
 
 * ``raw_tcp_gb_per_s``: the arena's byte count sent by this process over one loopback TCP connection
   to a child process that receives it into a buffer of that size, allocated once connected (Python
@@ -149,30 +151,35 @@ def run_bench_seed(args) -> int:
     fan, window, repeat = args.seed_replicas, args.seed_window, max(1, args.repeat)
     bench = Bench(args, work)
     load_before = os.getloadavg()  # the host's other work: this bench is CPU-bound on a small host
+    # Both sources up for the whole run, and every measurement once per repeat in turn: the host's
+    # other work then weighs on the seed and its raw copy, on one replica and on the fan-out alike,
+    # where measuring each kind in a block of its own let a change of load favour one side.
+    src, address = bench.source(0.0)
+    fan_src = None
+    singles, seeds, rounds, disk, raw, touched, fans = [], [], [], [], [], [], []
     try:
-        src, address = bench.source(0.0)
-        singles, seeds, rounds = [], [], []
+        fan_src, fan_address = bench.source(window, fan)
         for _ in range(repeat):
             took, (one,) = bench.replicas(address, 1)
             singles.append(took)
             seeds.append(one["seconds"])
             rounds.append(_round(src, 1))
-        disk = []
-        for _ in range(repeat):  # its autotune cache from the source as well: only the weights differ
+            model_bytes = rounds[0]["arena"]
+            raw.append(raw_tcp_s(model_bytes))
+            touched.append(raw_tcp_s(model_bytes, fresh=False))
+            # its autotune cache from the source as well: only the weights differ
             d = bench.daemon(args.model, "--weight-cache-seed", address, "--weight-cache-seed-weights", "never",
                              name="disk")
             disk.append(d.ready_s)
             d.stop()
-        src.stop()
-        model_bytes = rounds[0]["arena"]
-        raw = [raw_tcp_s(model_bytes) for _ in range(repeat)]
-        touched = [raw_tcp_s(model_bytes, fresh=False) for _ in range(repeat)]
-        src, address = bench.source(window, fan)
-        fan_s, fan_rep = bench.replicas(address, fan)
-        fan_round = _round(src, fan)
-        src.stop()
+            took, replicas = bench.replicas(fan_address, fan)
+            fans.append((took, replicas, _round(fan_src, fan)))
     finally:
+        for s in (src, fan_src):
+            if s is not None:
+                s.stop()
         shutil.rmtree(work, ignore_errors=True)
+    fan_s, fan_rep, fan_round = sorted(fans, key=lambda f: f[0])[(len(fans) - 1) // 2]  # the median (lower) one
     seed_s, raw_s = statistics.median(seeds), statistics.median(raw)
     single_s = statistics.median(singles)
     record = {**environment(cfg.device), "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -187,7 +194,9 @@ def run_bench_seed(args) -> int:
               f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
               "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],
                           "raw_tcp_touched_s": [round(r, 4) for r in touched], "single_s": [round(s, 3) for s in singles],
-                          "disk_s": [round(s, 3) for s in disk]}}
+                          "disk_s": [round(s, 3) for s in disk], f"fanout_{fan}_s": [round(f[0], 3) for f in fans],
+                          f"fanout_{fan}_round_s": [f[2]["seconds"] for f in fans],
+                          f"source_bytes_sent_{fan}": [f[2]["bytes_sent"] for f in fans]}}
     record["seed_vs_raw_tcp"] = round(record["seed_gb_per_s"] / record["raw_tcp_gb_per_s"], 3)
     record[f"fanout_{fan}_vs_single"] = round(fan_s / single_s, 3)
     record[f"source_bytes_sent_{fan}_vs_model"] = round(fan_round["bytes_sent"] / model_bytes, 4)
