@@ -5,8 +5,9 @@
   exactly as ``MemfdArena.pack`` seals one. Why not receive straight into a shared mapping of the
   memfd (one copy fewer): each of its 4 KiB pages then costs a page fault that allocates and zeroes
   it, and dropping the mapping before the seal walks them all again; a write(2) into a memfd
-  allocates its pages with no fault (a copy of a loopback stream into a fresh mapping was slower
-  than the buffer and pwrite path on the 2-core CPU host: `wcache bench --seed` records the result).
+  allocates its pages with no fault. Compared on the 2-core CPU host, the small model's arena over
+  loopback into each (repeated, in turn): the buffer and pwrite were the faster; the seed's rate
+  against a plain copy into fresh memory is what `wcache bench --seed` records.
 * any CUDA kind: the bytes are received into host memory (pinned), checked, and then packed by the
   transport's own ``pack`` (the host-to-device copy path every disk load takes), so a cuda_ipc or
   vmm_fd arena holds them exactly as it would hold a disk load's.
