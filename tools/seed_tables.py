@@ -19,13 +19,14 @@ def _fan(d: dict) -> int:
 
 
 def seed_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
-    rows = ["| Record | Device | Arena | Seeding | Raw TCP, fresh memory | Raw TCP, touched memory | Seeding over raw "
+    rows = ["| Record | Device | Host load (1 min, before and after) | Arena | Seeding | Raw TCP, fresh memory | Raw TCP, touched memory | Seeding over raw "
             "| One replica, spawn to READY | Disk start | N | N replicas at once | N over one | Source sent for N |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for path, d in seed_records(bench_dir):
         n = _fan(d)
         device = d.get("gpu") or f"CPU ({d['cpu_count']} cores)"
-        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {device} | {fmt_bytes(d['model_bytes'])} "
+        load = " to ".join(f"{v:.1f}" for v in d["load_avg_1m"]) if "load_avg_1m" in d else "not recorded"
+        rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {device} | {load} | {fmt_bytes(d['model_bytes'])} "
                     f"| {d['seed_gb_per_s']:.2f} GB/s | {d['raw_tcp_gb_per_s']:.2f} GB/s "
                     f"| {d['raw_tcp_touched_gb_per_s']:.2f} GB/s | {d['seed_vs_raw_tcp']:.0%} "
                     f"| {fmt_seconds(d['single_s'])} | {fmt_seconds(d['disk_s'])} | {n} "

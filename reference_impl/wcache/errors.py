@@ -199,6 +199,7 @@ class SeedConfigError(UserError):
     SHORT_TOKEN = "--weight-cache-seed-token must be at least {min} characters"
     PORT_IN_USE = "Cannot listen for seeding on {address}: {error}"
     BAD_SECONDS = "{flag} must be a number of seconds from 0 to 3600, got {value}"
+    BAD_ROUND_REPLICAS = "--weight-cache-seed-round-replicas must be from 1 to {max} (replicas a round serves), got {value}"
 
 
 class BenchError(UserError):

@@ -91,6 +91,8 @@ def test_listening_without_a_token_is_refused(tiny_model, wcache_env, capfd, mon
          SeedConfigError.BAD_ADDRESS.format(flag="--weight-cache-seed-listen", value="localhost")),
         (["--weight-cache-seed", "127.0.0.1:7000,127.0.0.1:7001", "--weight-cache-seed-token", TOKEN],
          SeedConfigError.COUNT.format(given=2, ranks=1)),
+        (["--weight-cache-seed-listen", "127.0.0.1:7000", "--weight-cache-seed-token", TOKEN,
+          "--weight-cache-seed-round-replicas", "16"], SeedConfigError.BAD_ROUND_REPLICAS.format(value=16, max=15)),
     ]
     root = logging.getLogger()
     saved = root.handlers[:], root.level

@@ -110,3 +110,17 @@ def test_three_replicas_at_once_form_one_round_and_the_source_sends_the_arena_on
     assert replicas == "3" and how.startswith("a gloo scatter + ring all-gather")
     # gloo's broadcast (a binomial tree) would send it twice for 4 ranks; a relay per replica 3 times.
     assert int(size) <= int(sent) <= 1.1 * int(size), (sent, size)
+
+
+def test_a_round_of_the_expected_size_starts_without_waiting_out_its_window(procs, tiny_model, tmp_path):
+    # A window of 10 minutes: READY within the wait below only if the round started once both asked.
+    src, address = source(procs, tiny_model, "--weight-cache-seed-round-window", "600",
+                          "--weight-cache-seed-round-replicas", "2")
+    bare = small_files(tiny_model, tmp_path / "bare")
+    reps = [replica(procs, bare, tmp_path, f"x{i}", address) for i in range(2)]
+    for p in reps:
+        p.wait_for_log(READY, timeout=240)
+        m = SEEDED.search(p.log())
+        assert m and m.group(4) == "3", p.log()
+    (_, replicas, how, sent, size), = ROUND.findall(src.log())
+    assert replicas == "2" and int(size) <= int(sent) <= 1.1 * int(size), (replicas, sent, size)

@@ -3,19 +3,25 @@ several, and against a replica that reads its own shards, measured in one run on
 
 Real daemons throughout: a source (`wcache preload --weight-cache-seed-listen`) and replicas whose
 model directories hold every file of the checkpoint but the shards, each with its own socket
-directory and cache root, as on other hosts. Per measurement:
+directory and cache root, as on other hosts. Each repeat takes every measurement once, in turn (the
+medians are recorded, every sample under ``samples``), so that the host's other work weighs on each
+side of a comparison alike. Per measurement:
 
 * ``raw_tcp_gb_per_s``: the arena's byte count sent by this process over one loopback TCP connection
-  to a child process that receives it into a buffer of that size, allocated once connected as a
-  replica's arena is (Python sendall and recv_into, no check): what a seed's transfer cannot beat
-  here; ``raw_tcp_touched_gb_per_s``: the same into a buffer allocated and touched beforehand;
+  to a child process that receives it into a buffer of that size, allocated once connected (Python
+  sendall and recv_into, no check): a plain copy of the same bytes into new memory, which a replica's
+  arena also is; ``raw_tcp_touched_gb_per_s``: the same into a buffer allocated and touched
+  beforehand, which no new replica has (its pages are what the plain copy pays for, a fault each);
 * ``seed_gb_per_s``: the arena's bytes over the seconds the replica logs from dialling the source to
   the digests checked (header, stream, verification), with a source whose round window is 0;
 * ``single_s``: one replica daemon from its spawn to READY (interpreter, imports, seeding, autotune
   from the source), against ``disk_s``: the same daemon with the shards and
   ``--weight-cache-seed-weights never``, which hashes and reads them (its autotune cache seeded too);
 * ``fanout_s``: N replicas spawned at once, to the last READY, from a source whose round window is
-  ``window_s`` (it waits that long for the replicas that ask, so they form one round);
+  ``window_s`` and that expects ``round_replicas`` (N): the round starts once the N have asked, or at
+  the window's end with those that did;
+* ``load_avg_1m``: the host's 1-minute load average before and after the run (other work competes
+  for the same cores: the fan-out is CPU-bound here);
 * ``source_bytes_sent_N``: what the source daemon's round sent (its log), against ``model_bytes``,
   the arena's size; each replica's own bytes sent are in ``replica_bytes_sent_N``.
 """
@@ -102,10 +108,11 @@ class Bench:
         return DaemonUnderTest(str(model), self.settings.device, self.settings.dtype, sockets, extra=extra,
                                wait=wait, log_name=f"{name}-{self.n}.log", env=env)
 
-    def source(self, window: float) -> tuple[DaemonUnderTest, str]:
+    def source(self, window: float, expect: int | None = None) -> tuple[DaemonUnderTest, str]:
         address = f"127.0.0.1:{free_port()}"
+        expected = ("--weight-cache-seed-round-replicas", str(expect)) if expect else ()
         return self.daemon(self.settings.model, "--weight-cache-seed-listen", address,
-                           "--weight-cache-seed-round-window", str(window), name="source"), address
+                           "--weight-cache-seed-round-window", str(window), *expected, name="source"), address
 
     def replicas(self, address: str, n: int) -> tuple[float, list[dict]]:
         t0 = time.monotonic()
@@ -144,44 +151,53 @@ def run_bench_seed(settings: BenchSettings) -> int:
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())  # every daemon of the run inherits it
     fan, window, repeat = settings.seed_replicas, settings.seed_window, max(1, settings.repeat)
     bench = Bench(settings, work)
+    load_before = os.getloadavg()  # the host's other work: this bench is CPU-bound on a small host
+    # Both sources up for the whole run, and every measurement once per repeat in turn: the host's
+    # other work then weighs on the seed and its raw copy, on one replica and on the fan-out alike,
+    # where measuring each kind in a block of its own let a change of load favour one side.
+    src, address = bench.source(0.0)
+    fan_src = None
+    singles, seeds, rounds, disk, raw, touched, fans = [], [], [], [], [], [], []
     try:
-        src, address = bench.source(0.0)
-        singles, seeds, rounds = [], [], []
+        fan_src, fan_address = bench.source(window, fan)
         for _ in range(repeat):
             took, (one,) = bench.replicas(address, 1)
             singles.append(took)
             seeds.append(one["seconds"])
             rounds.append(_round(src, 1))
-        disk = []
-        for _ in range(repeat):  # its autotune cache from the source as well: only the weights differ
+            model_bytes = rounds[0]["arena"]
+            raw.append(raw_tcp_s(model_bytes))
+            touched.append(raw_tcp_s(model_bytes, fresh=False))
+            # its autotune cache from the source as well: only the weights differ
             d = bench.daemon(settings.model, "--weight-cache-seed", address, "--weight-cache-seed-weights", "never",
                              name="disk")
             disk.append(d.ready_s)
             d.stop()
-        src.stop()
-        model_bytes = rounds[0]["arena"]
-        raw = [raw_tcp_s(model_bytes) for _ in range(repeat)]
-        touched = [raw_tcp_s(model_bytes, fresh=False) for _ in range(repeat)]
-        src, address = bench.source(window)
-        fan_s, fan_rep = bench.replicas(address, fan)
-        fan_round = _round(src, fan)
-        src.stop()
+            took, replicas = bench.replicas(fan_address, fan)
+            fans.append((took, replicas, _round(fan_src, fan)))
     finally:
+        for s in (src, fan_src):
+            if s is not None:
+                s.stop()
         shutil.rmtree(work, ignore_errors=True)
+    fan_s, fan_rep, fan_round = sorted(fans, key=lambda f: f[0])[(len(fans) - 1) // 2]  # the median (lower) one
     seed_s, raw_s = statistics.median(seeds), statistics.median(raw)
     single_s = statistics.median(singles)
-    record = {**environment(cfg.device), "model": Path(settings.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
+    record = {**environment(cfg.device), "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+              "model": Path(settings.model).name, "dtype": cfg.dtype_name, "repeat": repeat,
               "model_bytes": model_bytes,
               "seed_gb_per_s": round(model_bytes / seed_s / 1e9, 3), "raw_tcp_gb_per_s": round(model_bytes / raw_s / 1e9, 3),
               "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
               "seed_s": round(seed_s, 4), "raw_tcp_s": round(raw_s, 4), "single_source_round_s": rounds[0]["seconds"],
               "single_s": round(single_s, 3), "disk_s": round(statistics.median(disk), 3),
-              "window_s": window, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
+              "window_s": window, "round_replicas": fan, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
               f"fanout_{fan}_how": fan_round["how"], f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
               f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
               "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],
                           "raw_tcp_touched_s": [round(r, 4) for r in touched], "single_s": [round(s, 3) for s in singles],
-                          "disk_s": [round(s, 3) for s in disk]}}
+                          "disk_s": [round(s, 3) for s in disk], f"fanout_{fan}_s": [round(f[0], 3) for f in fans],
+                          f"fanout_{fan}_round_s": [f[2]["seconds"] for f in fans],
+                          f"source_bytes_sent_{fan}": [f[2]["bytes_sent"] for f in fans]}}
     record["seed_vs_raw_tcp"] = round(record["seed_gb_per_s"] / record["raw_tcp_gb_per_s"], 3)
     record[f"fanout_{fan}_vs_single"] = round(fan_s / single_s, 3)
     record[f"source_bytes_sent_{fan}_vs_model"] = round(fan_round["bytes_sent"] / model_bytes, 4)

@@ -295,6 +295,9 @@ def add_preload_args(p) -> None:
     s.add_argument("--weight-cache-seed-round-window", type=float, default=None, metavar="SECONDS",
                    help="a seed daemon gathers the replicas that ask for weights within this many seconds of the "
                         "first into one fan-out round (default: 2)")
+    s.add_argument("--weight-cache-seed-round-replicas", type=int, default=None, metavar="N",
+                   help="a seed daemon starts a fan-out round as soon as N replicas have asked for weights, "
+                        "without waiting out --weight-cache-seed-round-window (default: the window always)")
     s.add_argument("--weight-cache-seed-stall-timeout", type=float, default=None, metavar="SECONDS",
                    help="a replica gives up on a seed daemon that sends nothing for this long (default: 30)")
 
@@ -328,7 +331,8 @@ def add_bench_args(p) -> None:
                         "one replica against --seed-replicas at once, and against a disk start (bench/seeding.py)")
     p.add_argument("--seed-replicas", type=int, default=4, help="with --seed: replicas of the fan-out round")
     p.add_argument("--seed-window", type=float, default=3.0,
-                   help="with --seed: the fan-out source's --weight-cache-seed-round-window")
+                   help="with --seed: the fan-out source's --weight-cache-seed-round-window (its "
+                        "--weight-cache-seed-round-replicas is --seed-replicas)")
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:

@@ -293,7 +293,8 @@ def _run_ranks(settings: PreloadSettings, cfg, plan, planned, locks, seeding, st
     t0 = time.perf_counter()
     spec.update(autotune=settings.enable_autotune, seed_listen=seeding["seed_listen"],
                 seed_token=seeding["seed_token"], seed_weights=seeding["seed_weights"],
-                seed_window_s=seeding["seed_window_s"], seed_stall_s=seeding["seed_stall_s"])
+                seed_window_s=seeding["seed_window_s"], seed_round_replicas=seeding["seed_round_replicas"],
+                seed_stall_s=seeding["seed_stall_s"])
     seeds = seeding["seeds"]
     ranks = []
     try:

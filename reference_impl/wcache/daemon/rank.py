@@ -41,13 +41,7 @@ from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
 from wcache.core.disk import load_processed
 from wcache.core.stop_flag import StopFlag
-from wcache.errors import (
-    DAEMON_ERRORS,
-    REASONS,
-    AutotuneFailedError,
-    STALE_SOCKET_REMOVED,
-    UserError,
-)
+from wcache.errors import DAEMON_ERRORS, REASONS, STALE_SOCKET_REMOVED, AutotuneFailedError, UserError
 from wcache.core.fingerprint import cache_key, checkpoint_digest, mismatched_fields
 from wcache.wire.handback import HANDED_BACK_KINDS, take_back
 from wcache.wire.protocol import (
@@ -238,8 +232,9 @@ class RankDaemon:
             host, base = listen
             served = {"manifest": manifest(self.arena.layout), "aliases": self.aliases, "attrs": self.attrs,
                       "weights_bytes": self.weights_bytes}
+            rounds = (self.spec.get("seed_window_s"), self.spec.get("seed_round_replicas"))  # window, expected
             weights = WeightSource(self.rank, self.key, self.cfg.model, self.shards, served,
-                                   lambda: None if self.released else self.arena, self.spec.get("seed_window_s"))
+                                   lambda: None if self.released else self.arena, *rounds)
             self.seed_server = seed.SeedServer(host, base + self.rank, self.spec["seed_token"],
                                                lambda: self.autotune_doc, self.rank, self.metrics.seed_answer,
                                                weights=weights).start()

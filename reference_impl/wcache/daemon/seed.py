@@ -34,6 +34,7 @@ from wcache.core import autotune
 from wcache.core.config import EngineConfig
 from wcache.errors import SEED_BUSY, SEED_FALLBACK, SEED_REASONS, SEEDED, SeedConfigError
 from wcache.core.fingerprint import mismatched_fields
+from wcache.daemon.weight_source import MAX_ROUND
 from wcache.wire.protocol import (
     ProtocolError,
     close_fds,
@@ -76,6 +77,7 @@ class SeedSettings:
     weight_cache_seed: str | None = None
     weight_cache_seed_weights: str = "auto"
     weight_cache_seed_round_window: float | None = None
+    weight_cache_seed_round_replicas: int | None = None
     weight_cache_seed_stall_timeout: float | None = None
 
 
@@ -98,9 +100,12 @@ def preload_seed_settings(s: SeedSettings) -> dict:
     for flag, value in (("--weight-cache-seed-round-window", window), ("--weight-cache-seed-stall-timeout", stall)):
         if value is not None and not 0 <= value <= 3600:  # also NaN
             raise SeedConfigError(SeedConfigError.BAD_SECONDS.format(flag=flag, value=value))
+    expect = s.weight_cache_seed_round_replicas
+    if expect is not None and not 1 <= expect <= MAX_ROUND:
+        raise SeedConfigError(SeedConfigError.BAD_ROUND_REPLICAS.format(value=expect, max=MAX_ROUND))
     return {"seed_listen": list(listen) if listen else None, "seed_token": token, "seeds": seeds,
             "seed_weights": s.weight_cache_seed_weights or "auto", "seed_window_s": window,
-            "seed_stall_s": stall}
+            "seed_round_replicas": expect, "seed_stall_s": stall}
 
 
 def _digest(token) -> bytes:

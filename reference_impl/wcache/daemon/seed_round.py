@@ -23,9 +23,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from wcache.daemon.weight_digest import CHUNK_BYTES, chunk_bounds
+from wcache.daemon.weight_digest import chunk_bounds
 
 ROUND_TIMEOUT = timedelta(seconds=60)
+# A round moves the arena in chunks of its own (the source says which in the round's header): gloo's
+# all-gather gathers into a flat buffer it allocates per call and then copies out; at 16 MiB that
+# buffer comes back from the allocator's heap, already touched and mostly in the cache, where a
+# 64 MiB one is a fresh mapping whose every page faults.
+ROUND_CHUNK_BYTES = 16 << 20
 
 
 def bytes_written() -> int:
@@ -67,7 +72,7 @@ def _pieces(a: int, b: int, n: int) -> int:
     return -(-(b - a) // n)
 
 
-def send(store, prefix: str, world: int, host: str, arena: torch.Tensor, chunk: int = CHUNK_BYTES) -> None:
+def send(store, prefix: str, world: int, host: str, arena: torch.Tensor, chunk: int = ROUND_CHUNK_BYTES) -> None:
     """The source's side: scatter every chunk of ``arena`` (flat uint8, CPU or CUDA) to the replicas."""
     pg = _group(store, prefix, 0, world, host)
     n = world - 1
@@ -88,18 +93,21 @@ def send(store, prefix: str, world: int, host: str, arena: torch.Tensor, chunk: 
         pending.wait()
 
 
-def receive(store_host: str, port: int, prefix: str, rank: int, world: int, host: str, buffer: torch.Tensor,
-            chunk: int = CHUNK_BYTES) -> None:
-    """A replica's side: its piece of every chunk from the source, then the others' from the ring."""
+def receive(store_host: str, port: int, prefix: str, rank: int, world: int, host: str, size: int, target,
+            checker, chunk: int = ROUND_CHUNK_BYTES) -> None:
+    """A replica's side: its piece of every chunk from the source, then the others' from the ring,
+    into ``target`` (seed_target.py) a chunk at a time, each chunk hashed (``checker``) as it lands."""
     store = dist.TCPStore(store_host, port, None, False, ROUND_TIMEOUT)
     pg = _group(store, prefix, rank, world, host)
     ring = _group(store, prefix + "/ring", rank - 1, world - 1, host)
     n = world - 1
-    bounds = chunk_bounds(buffer.numel(), chunk)
+    bounds = chunk_bounds(size, chunk)
+    # Two piece buffers, reused: the next chunk's scatter lands in one while the ring reads the other.
+    spare = [torch.empty(_pieces(0, chunk, n), dtype=torch.uint8) for _ in range(2 if len(bounds) > 1 else 1)]
 
     def post(i: int):
         a, b = bounds[i]
-        mine = torch.empty(_pieces(a, b, n), dtype=torch.uint8)
+        mine = spare[i % len(spare)][: _pieces(a, b, n)]
         return mine, pg.scatter([mine], [], _scatter_opts())
 
     nxt = post(0) if bounds else None
@@ -109,8 +117,16 @@ def receive(store_host: str, port: int, prefix: str, rank: int, world: int, host
         if i + 1 < len(bounds):
             nxt = post(i + 1)
         piece = mine.numel()
-        whole = piece * n == b - a
-        out = buffer[a:b] if whole else torch.empty(piece * n, dtype=torch.uint8)
+        out = torch.frombuffer(target.into(a, piece * n), dtype=torch.uint8) if piece * n == b - a \
+            else torch.empty(piece * n, dtype=torch.uint8)  # the last chunk, padded to n pieces
         ring.allgather([list(out.split(piece))], [mine]).wait()
-        if not whole:
-            buffer[a:b].copy_(out[: b - a])
+        view = memoryview(out.numpy())[: b - a]
+        if piece * n != b - a:
+            view = _copied(target.into(a, b - a), view)
+        checker.feed(view)
+        target.landed(a, view)
+
+
+def _copied(dest: memoryview, src: memoryview) -> memoryview:
+    dest[:] = src
+    return dest

@@ -3,8 +3,8 @@ once, sends them before the bytes, and the replica checks the bytes it received 
 it packs or serves anything.
 
 * CPU arenas: XXH3-128 per chunk (about 6 GB/s on one core here, where SHA-256 does 0.8: the
-  hash must not cost more than the network), SHA-256 where the xxhash package is missing. Chunks
-  hash on threads while later chunks arrive.
+  hash must not cost more than the network), SHA-256 where the xxhash package is missing. The
+  replica hashes each piece as it lands (Checker.feed), while the piece is still in the cache.
 * CUDA arenas: the keyed multilinear hash of daemon/arena_hash.py per chunk, computed on the GPU
   where the bytes are (SHA-256 would first copy the whole arena to the host). The source draws the
   key and sends it with the digests. That is enough here: the digests catch bytes changed in transit
@@ -69,37 +69,49 @@ def new_secret(algorithm: str) -> str | None:
     return arena_hash.new_secret() if algorithm == "keyed61" else None
 
 
+def _hasher(algorithm: str):
+    return xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.sha256()
+
+
 class Checker:
-    """Checks a buffer's chunks against the source's digests while the rest still arrives: CPU
-    chunks are hashed on a thread as soon as they are complete (``received``), so only the last
-    chunk's hash is left when the last byte comes. Keyed (GPU) digests are all checked at the end,
-    on the device."""
+    """Checks the bytes a replica receives against the source's digests. CPU digests are computed as
+    the bytes pass (``feed``, in order, on the receiving thread): each piece is hashed just after the
+    socket's copy wrote it, while it is still in the cache, so checking costs no pass of its own over
+    the arena and only a hash of a piece separates the last byte from the verdict. Keyed (GPU)
+    digests are all checked at the end, on the device, over ``data``."""
 
-    def __init__(self, data: torch.Tensor, header: dict, device: torch.device | None = None):
+    def __init__(self, data: torch.Tensor | None, header: dict, size: int, device: torch.device | None = None):
         self.data, self.header, self.device = data, header, device
-        self.bounds = chunk_bounds(data.numel(), header["chunk_bytes"])
-        self.early = header["algorithm"] in CPU_ALGORITHMS
-        self.pool = ThreadPoolExecutor(HASH_THREADS) if self.early else None
-        self.futures: list = []
+        self.bounds = chunk_bounds(size, header["chunk_bytes"])
+        self.streaming = header["algorithm"] in CPU_ALGORITHMS
+        self.pos, self.got = 0, []
+        self.hasher = _hasher(header["algorithm"]) if self.streaming else None
 
-    def received(self, upto: int) -> None:
-        """Bytes [0, upto) are in: hash every chunk they complete."""
-        while self.early and len(self.futures) < len(self.bounds) and self.bounds[len(self.futures)][1] <= upto:
-            a, b = self.bounds[len(self.futures)]
-            self.futures.append(self.pool.submit(_one, self.data[a:b], self.header["algorithm"], None))
+    def feed(self, view: memoryview) -> None:
+        """The next bytes of the arena, in order."""
+        if not self.streaming:
+            return
+        while len(view) and len(self.got) < len(self.bounds):
+            end = self.bounds[len(self.got)][1]
+            take = min(len(view), end - self.pos)
+            self.hasher.update(view[:take])
+            self.pos += take
+            view = view[take:]
+            if self.pos == end:
+                self.got.append(self.hasher.hexdigest())
+                self.hasher = _hasher(self.header["algorithm"])
+        if len(view):  # more than the chunks cover: the stream's own check (oversent) names it
+            self.pos += len(view)
 
     def bad(self) -> list[int]:
-        if not self.early:
+        if not self.streaming:
             return bad_chunks(self.data, self.header, self.device)
-        self.received(self.data.numel())
-        got = [f.result() for f in self.futures]
-        self.pool.shutdown()
-        return [i for i, (g, w) in enumerate(zip(got, self.header["chunks"])) if g != w]
+        want = self.header["chunks"]
+        # a chunk never completed (a short stream) is bad as well
+        return [i for i, w in enumerate(want) if i >= len(self.got) or self.got[i] != w]
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-        self.data = self.futures = None  # no view of the buffer left: a memfd's mapping can then close
+        self.data = self.hasher = None  # no view of the buffer left: a mapping can then close
 
 
 def bad_chunks(data: torch.Tensor, header: dict, device: torch.device | None = None) -> list[int]:

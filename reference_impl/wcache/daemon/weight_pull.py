@@ -55,7 +55,7 @@ DEFAULT_STALL_S = 30.0
 QUEUE_WAIT_S = 600.0  # a replica queued behind a running round waits this long for its own
 MAX_HEADER_BYTES = 64 << 20
 SIZE_GRANULE = 2 << 20  # an arena is its layout rounded up to a page, or to a VMM granularity (2 MiB)
-RECV_STEP = 4 << 20
+RECV_STEP = 4 << 20  # a piece received, hashed and written while it is in the cache
 
 
 class SeedWeightsError(Exception):
@@ -165,34 +165,38 @@ def _numel(shape) -> int:
     return n
 
 
-def _receive_stream(sock: socket.socket, buffer: torch.Tensor, address: str, stall_s: float,
+def _receive_stream(sock: socket.socket, target, size: int, address: str, stall_s: float,
                     checker: weight_digest.Checker) -> None:
     """Exactly the arena's bytes, then end-of-stream: a stall, an early close or a byte more is an error.
-    Each chunk is handed to ``checker`` as soon as it is complete."""
-    size = buffer.numel()
-    view = memoryview(buffer.numpy())
-    got = 0
+    Each piece is hashed (``checker``) and handed to the target as soon as it is complete."""
+    got = 0  # bytes received, the piece in hand included
     try:
         while got < size:
-            n = sock.recv_into(view[got:], min(size - got, RECV_STEP))
-            if n == 0:
-                raise SeedWeightsError("closed", address=address, got=got, size=size)
-            got += n
-            checker.received(got)
+            start = got
+            view = target.into(start, min(size - start, RECV_STEP))
+            while got - start < len(view):
+                k = sock.recv_into(view[got - start:], len(view) - (got - start))
+                if k == 0:
+                    raise SeedWeightsError("closed", address=address, got=got, size=size)
+                got += k
+            checker.feed(view)
+            target.landed(start, view)
         if sock.recv(1):
             raise SeedWeightsError("oversent", address=address, size=size)
     except TimeoutError:
         raise SeedWeightsError("stalled", address=address, seconds=stall_s, got=got, size=size) from None
-    finally:
-        view.release()
 
 
-def _receive_round(sock: socket.socket, header: dict, buffer: torch.Tensor, address: str) -> None:
+def _receive_round(sock: socket.socket, header: dict, target, size: int, checker, address: str) -> None:
     r = header.get("round")
     try:
         store_host, port = r["store"]
         my_host = sock.getsockname()[0]  # this side's address on the route to the source
-        seed_round.receive(store_host, int(port), str(r["prefix"]), int(r["rank"]), int(r["world"]), my_host, buffer)
+        chunk = int(r.get("chunk_bytes", seed_round.ROUND_CHUNK_BYTES))
+        if not 1 << 20 <= chunk <= 1 << 30:
+            raise ValueError(f"chunk_bytes {chunk}")
+        seed_round.receive(store_host, int(port), str(r["prefix"]), int(r["rank"]), int(r["world"]), my_host,
+                           size, target, checker, chunk)
     except (TypeError, KeyError, ValueError) as e:
         raise SeedWeightsError("protocol", address=address, detail=f"bad round {str(r)[:200]}: {e}") from None
     except RuntimeError as e:  # gloo: a peer stalled, died or closed
@@ -218,13 +222,15 @@ def pull(address: str, token: str, cfg, kind: str, shards_present: bool, stall_s
         marks = [("header", time.perf_counter())]
         target = make_target(kind, header["size"], device)
         marks.append(("allocate", time.perf_counter()))
-        checker = weight_digest.Checker(target.buffer, header["digests"], device if device.type == "cuda" else None)
+        size = header["size"]
+        checker = weight_digest.Checker(target.buffer, header["digests"], size,
+                                        device if device.type == "cuda" else None)
         try:
             if header.get("transfer") == "round":
-                _receive_round(sock, header, target.buffer, address)
+                _receive_round(sock, header, target, size, checker, address)
                 how = f"fan-out round of {header['round']['world']} ranks"
             else:
-                _receive_stream(sock, target.buffer, address, stall_s, checker)
+                _receive_stream(sock, target, size, address, stall_s, checker)
                 how = "TCP stream"
             marks.append(("receive", time.perf_counter()))
             bad = checker.bad()
@@ -233,13 +239,14 @@ def pull(address: str, token: str, cfg, kind: str, shards_present: bool, stall_s
             checker.close()
         if bad:
             raise SeedWeightsError("digest", address=address, chunks=bad[:8], total=len(header["digests"]["chunks"]))
+        written = target.written
         arena = target.finish(layout, header.get("aliases") or {}, header.get("attrs") or {}, header["weights_bytes"])
         target = None
         marks.append(("pack", time.perf_counter()))
         _quietly(send_frame, sock, reply(True, verified=True))
         phases = {name: round(t - prev, 4) for (name, t), prev in zip(marks, [t0] + [t for _, t in marks])}
         return Seeded(arena, header["key"], header["shards"], header.get("aliases") or {}, header.get("attrs") or {},
-                      header["weights_bytes"], how, time.perf_counter() - t0, seed_round.bytes_written() - sent0,
+                      header["weights_bytes"], how, time.perf_counter() - t0, seed_round.bytes_written() - sent0 - written,
                       phases)
     except SeedWeightsError as e:
         _quietly(send_frame, sock, reply(False, verified=False, reason=str(e)[:300]))

@@ -10,7 +10,10 @@ Then, here, before a byte of the arena leaves:
   manifest, aliases, attrs, the arena's size, and a digest per chunk computed from the arena
   (weight_digest.py; computed once, on the first request).
 
-Rounds: requests that arrive within ``window_s`` of the first one waiting form one round. A round of
+Rounds: requests that arrive within ``window_s`` of the first one waiting form one round; with
+``expect`` (``--weight-cache-seed-round-replicas``) the round starts as soon as that many wait, so a
+scale-up of a known size pays no window at all (the window still bounds the wait for one that never
+comes). A round of
 one streams the arena over its own connection, exactly ``size`` bytes, then closes its sending side.
 A round of several is a gloo fan-out (seed_round.py) in which the source sends the arena once. A
 request that arrives while a round is in flight is told it is queued and joins the next round,
@@ -51,11 +54,12 @@ class _Ticket:
 
 class WeightSource:
     def __init__(self, rank: int, key: dict, model: str, shards: dict, served: dict, get_arena,
-                 window_s: float | None = None):
+                 window_s: float | None = None, expect: int | None = None):
         self.rank, self.key, self.shards, self.served = rank, key, shards, served
         self.small = small_identity(model)
         self.get_arena = get_arena  # None once released (copy mode)
         self.window_s = DEFAULT_WINDOW_S if window_s is None else window_s
+        self.expect = min(expect or MAX_ROUND, MAX_ROUND)  # a full round starts at once in any case
         self.cond = threading.Condition()
         self.pending: list[_Ticket] = []
         self.leading = False  # a thread is forming or running rounds
@@ -104,6 +108,7 @@ class WeightSource:
             self.pending.append(ticket)
             lead, queued = not self.leading, self.sending
             self.leading = True
+            self.cond.notify_all()  # the leader waiting out a window counts the arrivals
         if queued:
             send_frame(conn, reply(True, queued=True))
         if lead:
@@ -130,9 +135,9 @@ class WeightSource:
         try:
             while True:
                 with self.cond:
-                    first = self.pending[0].arrived
-                time.sleep(max(0.0, first + self.window_s - time.monotonic()))
-                with self.cond:
+                    deadline = self.pending[0].arrived + self.window_s
+                    while len(self.pending) < self.expect and time.monotonic() < deadline:
+                        self.cond.wait(deadline - time.monotonic())
                     batch, self.pending = self.pending[:MAX_ROUND], self.pending[MAX_ROUND:]
                     self.sending = True
                 try:
@@ -197,9 +202,10 @@ class WeightSource:
         for i, t in enumerate(batch, start=1):
             t.conn.settimeout(STALL_S)
             send_frame(t.conn, {**header, "transfer": "round",
-                                "round": {"store": [host, store.port], "prefix": prefix, "rank": i, "world": world}})
+                                "round": {"store": [host, store.port], "prefix": prefix, "rank": i, "world": world,
+                                          "chunk_bytes": seed_round.ROUND_CHUNK_BYTES}})
             t.sent = True
-        seed_round.send(store, prefix, world, host, data)
+        seed_round.send(store, prefix, world, host, data, seed_round.ROUND_CHUNK_BYTES)
 
 
 def _quietly(fn, *args) -> None:
