@@ -165,25 +165,27 @@ class EngineCore:
 
     # -- from the front --------------------------------------------------------------------------
     def serve_channel(self) -> None:
-        """Read the front's messages until Shutdown or its close (on a thread of its own)."""
+        """Read the front's messages until Shutdown or its close (on a thread of its own). However
+        it ends, the core stops: a core whose reader is gone would hold its device for nobody."""
         try:
             while True:
                 msg = self.channel.recv()
                 if msg is None:
                     break
-                if isinstance(msg, AddRequest):
-                    self._add(msg)
-                elif isinstance(msg, AbortRequest):
-                    seq = self._seqs.pop(msg.id, None)
-                    if seq is not None and self.engine is not None:
-                        self.engine.scheduler.cancel(seq)
-                elif isinstance(msg, Proceed):
-                    self.proceed.set()
-                elif isinstance(msg, Shutdown):
+                if isinstance(msg, Shutdown):
                     self.stopping.set()
                     return
+                try:
+                    self._take(msg)
+                except Exception as e:  # one message's failure is its request's, not the channel's
+                    log.exception("The engine core could not take a %s", type(msg).__name__)
+                    if isinstance(msg, AddRequest):
+                        self._seqs.pop(msg.id, None)
+                        self.send(StepOutputs([RequestOutput(msg.id, finished="error", error=str(e)[:200])]))
         except ChannelError as e:
             log.error("%s", e)
+        except BaseException:
+            log.exception("The engine core's channel reader failed")
         if self.engine is None:  # still loading: nobody will ever ask
             log.error(FRONT_GONE)
             if self.supervisor is not None:
@@ -192,6 +194,16 @@ class EngineCore:
             os._exit(1)
         log.warning(FRONT_GONE)
         self.stopping.set()
+
+    def _take(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            seq = self._seqs.pop(msg.id, None)
+            if seq is not None and self.engine is not None:
+                self.engine.scheduler.cancel(seq)
+        elif isinstance(msg, Proceed):
+            self.proceed.set()
 
     def _add(self, msg: AddRequest) -> None:
         engine = self.engine
@@ -269,7 +281,11 @@ def run_core(args, loader_config, channel) -> int:
                     runner.cfg.hf.get("vocab_size"), engine.load_format,
                     LoadInfo(r.source, r.seconds, r.external_bytes, r.fallback_kind, r.transport)))
     threading.Thread(target=core.report_status, name="wcache-core-status", daemon=True).start()
-    core.stopping.wait()
+    front = os.getppid()
+    while not core.stopping.wait(1.0):
+        if os.getppid() != front:  # the front died and this process was adopted: nobody to serve
+            log.warning(FRONT_GONE)
+            break
     supervisor.stopping = True
     engine.close()
     supervisor.stop()
