@@ -120,7 +120,7 @@ def test_include_stop_keeps_the_stop_string_and_min_tokens_delays_it():
 # -- the answers' shapes (logprob_answers.py) ------------------------------------------------------
 def test_completion_logprobs_hold_the_chosen_token_and_the_top_k_and_go_on_across_parts():
     from wcache.engine.logprob_answers import CompletionLogprobs
-    from wcache.engine.completion import Sampled
+    from wcache.engine.outputs import Sampled
 
     fmt = CompletionLogprobs(None, 2)  # no tokenizer: tokens named token_id:N, as vLLM names them then
     first = fmt.part([7, 3], [None, Sampled(3, -2.5, 4, ((1, -0.1), (2, -0.9), (3, -2.5)))])
@@ -133,7 +133,7 @@ def test_completion_logprobs_hold_the_chosen_token_and_the_top_k_and_go_on_acros
 
 def test_chat_logprobs_list_the_top_k_in_rank_order_and_prompt_logprobs_carry_ranks():
     from wcache.engine.logprob_answers import chat_logprobs, prompt_logprobs
-    from wcache.engine.completion import PromptScores, Sampled
+    from wcache.engine.outputs import PromptScores, Sampled
 
     entry = Sampled(5, -1.5, 2, ((4, -0.5), (5, -1.5), (6, -3.0)))
     [one] = chat_logprobs(None, (entry,), 2)["content"]

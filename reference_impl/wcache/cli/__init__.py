@@ -97,7 +97,7 @@ def cmd_serve(args) -> int:
         from wcache.engine.front import run_front
 
         return run_front(args)
-    from wcache.engine.engine import run_serve
+    from wcache.engine.serve import run_serve
     from wcache.engine.loading.config import parse_loader_config
 
     loader_config = parse_loader_config(args.model_loader_extra_config)

@@ -1,6 +1,6 @@
 """What a request gets back from the engine, in whichever process runs the HTTP layer: the
-Completion, each token's record (with its log-probabilities when asked) and the end of a sequence's
-stream of tokens. No torch here: `wcache serve`'s front
+Completion (of outputs.py's token records) and the end of a sequence's stream of tokens, and the
+loop that reads them on the request's thread. No torch here: `wcache serve`'s front
 process (engine/core_client.py) builds them from the token ids its engine core sends."""
 
 from __future__ import annotations
@@ -8,29 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from wcache.engine.outputs import PromptScores, Sampled
+
 # Tokens a request's thread may fall behind the engine loop (a streaming client that stops reading,
 # once the socket's buffers are full) before the engine ends that request and frees its slot.
 STREAM_BUFFER_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """One token as the engine loop hands it to the request's thread: its id and, when the request
-    asked for log-probabilities, the token's logprob, its rank and the top ``k`` (id, logprob)."""
-
-    id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PromptScores:
-    """The prompt's tokens scored (echo with logprobs, prompt_logprobs): one entry per prompt token,
-    the first None (nothing precedes it), handed once before the first generated token."""
-
-    ids: tuple[int, ...]
-    entries: tuple[Sampled | None, ...]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.settings import from_flags
-from wcache.engine.completion import PromptScores, _End
+from wcache.engine.completion import _End
 from wcache.engine.core_messages import (
     AbortRequest,
     AddRequest,
@@ -40,6 +40,7 @@ from wcache.engine.core_messages import (
     token_of,
 )
 from wcache.engine.engine import Engine, rank_specs
+from wcache.engine.outputs import PromptScores
 from wcache.engine.runner import RankRunner
 from wcache.engine.sampling import Sampler
 from wcache.engine.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence

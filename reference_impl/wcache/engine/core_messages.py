@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from wcache.engine.completion import PromptScores, Sampled
+from wcache.engine.outputs import PromptScores, Sampled
 from wcache.engine.sampling_params import SamplingParams
 from wcache.errors import FRAME_MALFORMED, FRAME_TOO_BIG
 

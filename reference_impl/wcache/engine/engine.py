@@ -1,11 +1,10 @@
-"""The engine: what the HTTP server calls, over a world of any size; and ``wcache serve``'s start-up.
+"""The engine: what the HTTP server calls, over a world of any size (serve.py starts it).
 
 ``Engine`` wraps engine rank 0's ``RankRunner`` (runner.py) and batches requests continuously
 (scheduler.py): every step, each running sequence gets one token, and requests join and leave
 between steps. With several ranks, every forward pass is announced to the others (one header per
-pass), and an idle world is kept alive.
-``run_serve`` is the one start-up path: listen (``/health`` answers 503), start the other local
-ranks (supervisor.py), load and size memory on every rank, then serve.
+pass), and an idle world is kept alive. ``rank_specs`` turns `wcache serve`'s engine settings
+into one spec per local rank.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -21,13 +19,12 @@ import time
 import torch
 
 from wcache.core.config import EngineConfig
-from wcache.core.distributed import exit_after_collectives
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
-from wcache.core.settings import from_flags
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
-from wcache.engine.completion import STREAM_BUFFER_TOKENS, Completion, Sampled, _End, read_completion
+from wcache.engine.completion import STREAM_BUFFER_TOKENS, Completion, _End, read_completion
 from wcache.engine.logprobs import score_prompt
 from wcache.engine.loop_thread import LoopThread
+from wcache.engine.outputs import Sampled
 from wcache.engine.runner import (
     OP_KEEPALIVE,
     OP_STOP,
@@ -48,7 +45,7 @@ from wcache.engine.settings import EngineSettings
 from wcache.engine.step_clock import StepClock
 from wcache.engine.textstream import TextStream
 from wcache.engine.world import LOST_PEERS
-from wcache.errors import ENGINE_DEAD, STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
+from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
 from wcache.model import generation_config
 from wcache.model.tokenizer import Tokenizer
 
@@ -147,8 +144,8 @@ class Engine:
 
     def daemon_alive(self) -> float | None:
         """zero_copy: whether the daemon whose memory this engine maps still holds the lease
-        (engine/metrics.py); None for other loads."""
-        from wcache.engine.metrics import daemon_alive
+        (engine/metrics.py shows it); None for other loads."""
+        from wcache.engine.loading.lease import daemon_alive
 
         lease = self.runner.loads[0].lease if self.runner.loads else None
         return daemon_alive(lease) if lease is not None else None
@@ -300,7 +297,7 @@ class Engine:
 
     def _pass(self, phase: str, run, seqs: list[Sequence] | None, scored: bool = False):
         """``run()``, one forward pass (or a speculative round, ``seqs`` None: its tokens), and the
-        tokens sampled from its logits for ``seqs`` (completion.Sampled records), each part timed on
+        tokens sampled from its logits for ``seqs`` (outputs.Sampled records), each part timed on
         the step's clock. ``scored``: the pass gave every prompt position's logits (one sequence),
         and its prompt is scored before its first token is handed."""
         clock = self.clock
@@ -416,76 +413,3 @@ def rank_specs(s: EngineSettings, loader_config):
     model_flags = {"model": s.model, "dtype": s.dtype, "quantization": s.quantization,
                    "device": base.device, "revision": s.revision}
     return plan, [rank_spec(model_flags, r, options) for r in plan.local]
-
-
-def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None,
-              prepared: RankRunner | None = None, served=None) -> int:
-    """``wcache serve``: every world size, one path.
-
-    A ``--respawn`` worker (engine/spare.py) passes the listening socket its supervisor bound
-    (``sock``); a promoted spare leaves clients in the backlog until it is ready
-    (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``. A hot
-    spare passes the rank it ``prepare``d while waiting (``prepared``), and its ``ServedModel`` (names,
-    chat template, API key; 3-4 ms on a 2-core CPU): only its KV cache is left to do.
-    """
-    from wcache.engine.served import ServedModel
-    from wcache.engine.server import EngineServer, run_until_signal
-    from wcache.engine.supervisor import Supervisor
-
-    # The engine's part of the flags as typed settings; the HTTP side still reads ``args`` (see settings.py).
-    plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
-    served = served or ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
-    runner = prepared or RankRunner.from_spec(specs[0])
-    if not runner.plain:
-        log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
-                 plan.layout.describe(), len(specs), plan.world_size, plan.init_method)
-    server = None
-    if plan.drives and answer_while_loading:
-        # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer.from_args(args, None, sock, served)
-        log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
-                 "weights are loaded" if runner.plain else "every rank has its weights")
-        served.log_found()
-    supervisor = Supervisor(specs[1:], server)
-    try:
-        runner.finish() if prepared is not None else runner.start()
-    except BaseException:
-        supervisor.abort()
-        if server is not None:
-            server.server_close()
-        raise
-    supervisor.started_ok = True
-    if not plan.drives:
-        from wcache.engine.runner import serve_requests
-
-        log.info("Engine node %d ready: %d rank(s) follow engine rank 0 at %s", plan.layout.node_rank,
-                 len(specs), plan.init_method)
-        code = serve_requests(runner)
-        supervisor.stop()
-        exit_after_collectives(code)
-    engine = Engine(runner, served.tokenizer, served.stop_ids)
-
-    def on_stop() -> None:
-        supervisor.stopping = True
-        engine.close()
-        supervisor.stop()
-
-    if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
-        server = EngineServer.from_args(args, engine, sock, served)
-        served.log_found()
-    server.engine, server.ready = engine, True
-    engine.scheduler.wait_arrived = server.wait_arrived
-    server.metrics.engine_ready(engine)
-    log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
-    if on_ready is not None:
-        on_ready(engine, server)
-    run_until_signal(server, on_stop=on_stop)
-    code = 0
-    if engine.failure is not None:
-        log.error(ENGINE_DEAD.format(error=str(engine.failure).splitlines()[0] if str(engine.failure) else
-                                     type(engine.failure).__name__))
-        code = 1
-    log.info("Engine stopped")
-    if runner.world.size > 1:
-        exit_after_collectives(code)  # past gloo's teardown, which may abort once peers are gone
-    return code

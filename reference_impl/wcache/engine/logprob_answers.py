@@ -7,7 +7,7 @@ A logprob of minus infinity, which JSON cannot carry, is -9999.0, as vLLM and Op
 
 from __future__ import annotations
 
-from wcache.engine.completion import PromptScores, Sampled
+from wcache.engine.outputs import PromptScores, Sampled
 
 FLOOR = -9999.0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from wcache.engine.completion import PromptScores, Sampled
+from wcache.engine.outputs import PromptScores, Sampled
 
 
 def score(row: torch.Tensor, token: int, k: int) -> Sampled:

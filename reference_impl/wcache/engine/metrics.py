@@ -15,7 +15,6 @@ live gauges are the serving worker's.
 from __future__ import annotations
 
 import contextlib
-import select
 import threading
 import time
 
@@ -77,21 +76,6 @@ def load_labels(report, load_format: str) -> dict:
     mode = report.source.split("(")[-1].rstrip(")") if cache else NONE
     return {"load_format": load_format, "source": "ipc_cache" if cache else "disk", "mode": mode,
             "transport": report.transport or NONE, "reason": report.fallback_kind}
-
-
-def daemon_alive(lease) -> float:
-    """1.0 while a zero_copy lease's connection is open at the daemon's end, 0.0 once it hung up.
-    Polled without reading: the lease's own thread (handback.ArenaOffer) watches the same socket."""
-    try:
-        fd = lease.sock.fileno()
-    except (AttributeError, OSError):
-        return 0.0
-    if fd < 0:
-        return 0.0
-    poller = select.poll()
-    poller.register(fd, select.POLLRDHUP)
-    gone = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
-    return 0.0 if any(ev & gone for _, ev in poller.poll(0)) else 1.0
 
 
 class RequestTiming:

@@ -19,7 +19,7 @@ import secrets
 
 import torch
 
-from wcache.engine.completion import Sampled
+from wcache.engine.outputs import Sampled
 from wcache.engine.logprobs import score
 from wcache.engine.penalties import apply_penalties
 from wcache.engine.sampling_params import GREEDY, MIN_TEMPERATURE, SamplingParams  # noqa: F401 (GREEDY: the engine's)

@@ -34,7 +34,7 @@ import torch  # noqa: E402  (the point of a spare: this import happens before it
 
 from wcache import logs  # noqa: E402
 from wcache.core import no_dump  # noqa: E402
-from wcache.engine.engine import run_serve  # noqa: E402
+from wcache.engine.serve import run_serve  # noqa: E402
 from wcache.engine.loading import registry  # noqa: E402,F401  (every loader: disk, ipc_cache and their modules)
 from wcache.engine.loading import waiting as cache_wait  # noqa: E402
 from wcache.engine.loading.config import parse_loader_config  # noqa: E402

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 from pathlib import Path
@@ -93,3 +94,18 @@ class CacheLease:
         self.release_mapping()
         with self._lock:
             self._client.close()
+
+
+def daemon_alive(lease) -> float:
+    """1.0 while a zero_copy lease's connection is open at the daemon's end, 0.0 once it hung up.
+    Polled without reading: the lease's own thread (handback.ArenaOffer) watches the same socket."""
+    try:
+        fd = lease.sock.fileno()
+    except (AttributeError, OSError):
+        return 0.0
+    if fd < 0:
+        return 0.0
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    gone = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+    return 0.0 if any(ev & gone for _, ev in poller.poll(0)) else 1.0
