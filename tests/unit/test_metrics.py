@@ -11,7 +11,8 @@ import sys
 import time
 
 from wcache.daemon.metrics import lock_waiters
-from wcache.engine.metrics import daemon_alive, load_labels
+from wcache.engine.loading.lease import daemon_alive
+from wcache.engine.metrics import load_labels
 from wcache.engine.loading.base import LoadReport
 
 
