@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from wcache.engine.sampling_params import SamplingParams
+from wcache.engine.worker.sampling_params import SamplingParams
 
 
 def together(fn, n: int) -> list:

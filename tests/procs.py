@@ -69,7 +69,7 @@ def engine_workers(serve_pid: int) -> list[int]:
     workers = []
     for child in child_pids(serve_pid):
         try:
-            core = b"wcache.engine.core_proc" in Path(f"/proc/{child}/cmdline").read_bytes()
+            core = b"wcache.engine.core.core_proc" in Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
         workers += child_pids(child) if core else [child]
@@ -77,7 +77,7 @@ def engine_workers(serve_pid: int) -> list[int]:
 
 
 def two_processes() -> bool:
-    """Whether this run's `wcache serve` is a front and an engine core (engine/front.py)."""
+    """Whether this run's `wcache serve` is a front and an engine core (engine/api_server/front.py)."""
     return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") == "1"
 
 

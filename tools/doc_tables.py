@@ -13,9 +13,9 @@ runs the check, so a table can only change together with the code or the JSON it
 Generators: ``preload-flags`` and ``serve-flags`` (every option of ``wcache preload`` / ``wcache
 serve``, from ``wcache.cli.build_parser()``), ``checkpoint-refusals`` (every refused config.json
 field, from ``wcache.core.llama_config.REFUSED``), the HTTP API's ``serve-endpoints``,
-``serve-fields``, ``chat-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.server`` /
+``serve-fields``, ``chat-fields``, ``serve-refusals`` and ``http-limits`` (``wcache.engine.api_server.server`` /
 ``openai_api`` / ``chat`` / ``http_front``), ``engine-metrics`` and ``daemon-metrics`` (every metric
-family of each ``GET /metrics``, from ``wcache.engine.metrics`` / ``wcache.daemon.metrics``) and the
+family of each ``GET /metrics``, from ``wcache.engine.api_server.metrics`` / ``wcache.daemon.metrics``) and the
 benchmark tables of ``tools/bench_tables.py``, ``tools/matrix_tables.py`` and ``tools/gpu_logs.py``.
 """
 
@@ -164,8 +164,8 @@ def _code(text: str) -> str:
 
 
 def serve_endpoints() -> str:
-    """Every route of the engine's HTTP API (wcache.engine.server.ROUTES)."""
-    from wcache.engine.server import ROUTES
+    """Every route of the engine's HTTP API (wcache.engine.api_server.server.ROUTES)."""
+    from wcache.engine.api_server.server import ROUTES
 
     out = ["| Request | Answer |", "| --- | --- |"]
     out += [f"| `{method} {path}` | {_cell(answer)} |" for (method, path), answer in ROUTES.items()]
@@ -173,15 +173,15 @@ def serve_endpoints() -> str:
 
 
 def serve_fields() -> str:
-    """Every field of a completion request, supported or refused (wcache.engine.openai_api.COMPLETION_FIELDS)."""
-    from wcache.engine.openai_api import COMPLETION_FIELDS
+    """Every field of a completion request, supported or refused (wcache.engine.openai.openai_api.COMPLETION_FIELDS)."""
+    from wcache.engine.openai.openai_api import COMPLETION_FIELDS
 
     return fields_table(COMPLETION_FIELDS)
 
 
 def chat_fields() -> str:
-    """Every field of a chat request, supported or refused (wcache.engine.chat.CHAT_FIELDS)."""
-    from wcache.engine.chat import CHAT_FIELDS
+    """Every field of a chat request, supported or refused (wcache.engine.openai.chat.CHAT_FIELDS)."""
+    from wcache.engine.openai.chat import CHAT_FIELDS
 
     return fields_table(CHAT_FIELDS)
 
@@ -200,9 +200,9 @@ def fields_table(table: dict) -> str:
 
 
 def serve_refusals() -> str:
-    """Every refusal of the HTTP API: status, vLLM's error type, message (wcache.engine.server.REFUSALS)."""
-    from wcache.engine.openai_api import error_type
-    from wcache.engine.server import REFUSALS
+    """Every refusal of the HTTP API: status, vLLM's error type, message (wcache.engine.api_server.server.REFUSALS)."""
+    from wcache.engine.openai.openai_api import error_type
+    from wcache.engine.api_server.server import REFUSALS
 
     out = ["| Status | `type` | Message | When |", "| --- | --- | --- | --- |"]
     out += [f"| {status} | `{error_type(status)}` | {_code(message)} | {_cell(when)} |"
@@ -211,10 +211,10 @@ def serve_refusals() -> str:
 
 
 def http_limits() -> str:
-    """The HTTP front door's limits with their defaults (wcache.engine.http_front.Limits)."""
+    """The HTTP front door's limits with their defaults (wcache.engine.api_server.http_front.Limits)."""
     from dataclasses import fields
 
-    from wcache.engine.http_front import DEFAULT_LIMITS, LIMIT_DOCS
+    from wcache.engine.api_server.http_front import DEFAULT_LIMITS, LIMIT_DOCS
 
     out = ["| Limit | Default | What it bounds |", "| --- | --- | --- |"]
     for f in fields(DEFAULT_LIMITS):
@@ -287,8 +287,8 @@ def metrics_table(metrics) -> str:
 
 
 def engine_metrics() -> str:
-    """Every metric of the engine's GET /metrics (wcache.engine.metrics.METRICS)."""
-    from wcache.engine.metrics import METRICS
+    """Every metric of the engine's GET /metrics (wcache.engine.api_server.metrics.METRICS)."""
+    from wcache.engine.api_server.metrics import METRICS
 
     return metrics_table(METRICS)
 

@@ -17,7 +17,7 @@ PY=${PYTHON:-.venv/bin/python}
 # The OpenAI client at the version this checkout's tests ran with here (newer ones may differ).
 OPENAI=$("$PY" -c 'import importlib.metadata as m; print(m.version("openai"))')
 # prometheus-client is a runtime dependency of wcache itself (GET /metrics), absent from the host's image;
-# so is msgspec (the frames between `wcache serve`'s front and its engine core, engine/core_messages.py).
+# so is msgspec (the frames between `wcache serve`'s front and its engine core, engine/core/core_messages.py).
 WANTED=(pymdown-extensions markdown-it-py mdit-py-plugins pytest-examples kubernetes-validate
         check-jsonschema jsonschema "openai==$OPENAI" prometheus-client msgspec)
 if [ "${1:-}" = --site ]; then

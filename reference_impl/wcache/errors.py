@@ -152,7 +152,7 @@ class ServeAddressError(UserError):
 
 
 class RespawnError(UserError):
-    """`wcache serve --respawn` (engine/respawn.py): what it cannot do, and why its supervisor gave up."""
+    """`wcache serve --respawn` (engine/respawn/respawn.py): what it cannot do, and why its supervisor gave up."""
     ONE_RANK = ("--respawn supports an engine of one rank; this one has {world} ({layout}). Drop --respawn "
                 "and restart the engine from outside (docs/respawn.md)")
     GAVE_UP = ("--respawn gives up: the engine worker died {deaths} times in a row, each within {stable:g} s of "
@@ -350,7 +350,7 @@ class UnsupportedCheckpointError(UserError):
                                               why=self.WHY[why].format(**fields)))
 
 
-# -- the engine's HTTP API (engine/openai_api.py, engine/http_front.py, engine/server.py) ---------------
+# -- the engine's HTTP API (engine/openai/openai_api.py, engine/api_server/http_front.py, engine/api_server/server.py) ---------------
 # vLLM's texts (vllm/entrypoints/openai): an unknown model, and a chat request to a model whose
 # tokenizer has no chat template.
 MODEL_NOT_FOUND = "The model `{model}` does not exist."
@@ -399,7 +399,7 @@ SEED = "'seed' must be an integer from 0 to 2**63-1, got {value}"
 STOP = "'stop' must be a string or a list of at most 4 non-empty strings"
 STREAM = "'stream' must be true or false"
 STREAM_OPTIONS = "'stream_options' must be an object with 'include_usage' (true or false), and only with 'stream': true"
-# vLLM's sampling parameters beyond temperature and top_p (engine/sampling_fields.py), in vLLM's words
+# vLLM's sampling parameters beyond temperature and top_p (engine/openai/sampling_fields.py), in vLLM's words
 # where vLLM has them (its SamplingParams and OpenAI protocol validators).
 NUMBER_FIELD = "'{field}' must be a number, got {value}"
 INTEGER_FIELD = "'{field}' must be an integer, got {value}"
@@ -441,7 +441,7 @@ NO_LENGTH = "A Content-Length header is required"
 BAD_LENGTH = "Content-Length must be a number of bytes, got {value!r}"
 TOO_LARGE = "Request body of {length} bytes exceeds the limit of {max} bytes"
 LOADING = "The engine is still loading its weights"
-# Continuous batching (engine/scheduler.py, engine/engine.py)
+# Continuous batching (engine/core/scheduler.py, engine/core/engine.py)
 QUEUE_FULL = "The engine has {waiting} requests waiting, its limit (--max-waiting-requests {max}); retry shortly"
 # The engine loop failed for good (a lost peer, a device error): the server stops answering /health 200
 # and exits 1, so that --respawn's supervisor or the kubelet starts a new engine (vLLM's API server
@@ -451,11 +451,11 @@ ENGINE_DEAD = ("The engine loop failed ({error}): /health answered 503 and the s
 STREAM_OVERFLOW = ("A request fell {limit} tokens behind the engine (its client stopped reading its stream); "
                    "the engine ended it")
 NO_ROUTE = "No route for {method} {path}"
-# The health lane (engine/http_front.py): /health, /metrics and /version, outside the completion limit.
+# The health lane (engine/api_server/http_front.py): /health, /metrics and /version, outside the completion limit.
 LANE_BUSY = "The server is answering {max} health, metrics and version requests; retry shortly"
 NOT_ALLOWED = "Method {method} is not allowed on {path}: use GET or HEAD"
 NO_METRICS = "No metrics are exported by this engine"
-# A SIGTERM's drain (engine/drain.py): what a request still running at the deadline is ended with.
+# A SIGTERM's drain (engine/api_server/drain.py): what a request still running at the deadline is ended with.
 SHUTTING_DOWN = ("The server is shutting down: the request did not finish within the {timeout:g} s drain "
                  "deadline (--shutdown-timeout); retry on another replica")
 DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepting for {delay:g} s more (--shutdown-delay), "
@@ -463,7 +463,7 @@ DRAIN_STARTED = ("Received {signal}, shutting down: /health answers 503; accepti
 DRAINING = "Stopped accepting; draining {n} in-flight request(s) for up to {timeout:g} s"
 DRAIN_CUT = "Drain deadline of {timeout:g} s passed: ending {n} request(s) with an error"
 DRAINED = "Drained in {seconds:.1f} s"
-# -- `wcache serve` as a front and an engine core (engine/front.py, engine/core_*.py) ------------------
+# -- `wcache serve` as a front and an engine core (engine/api_server/front.py, engine/core_*.py) ------------------
 CORE_EXITED = ("The engine core (pid {pid}) exited with status {code}; the requests in flight fail and /health "
                "answers 503")
 CORE_FAILED = "the engine core exited (status {code})"  # each request in flight: "the engine failed: ..."

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests" / "faults"))  # attacklib
 
 from attacklib import BOUNDS, FIGURES_FILE, RECORD_COMMAND, bound_problems, measured_attacks  # noqa: E402
 from wcache.daemon.rank import IN_FLIGHT_BYTES, REQUEST_TIMEOUT_S  # noqa: E402
-from wcache.engine.http_front import DEFAULT_LIMITS as HTTP  # noqa: E402
+from wcache.engine.api_server.http_front import DEFAULT_LIMITS as HTTP  # noqa: E402
 from wcache.wire.handback import ASK_BUDGET_S  # noqa: E402
 from wcache.wire.protocol import MAX_FDS  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wcache.engine.http_front import DEFAULT_LIMITS as L
+from wcache.engine.api_server.http_front import DEFAULT_LIMITS as L
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

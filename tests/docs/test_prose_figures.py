@@ -153,38 +153,44 @@ def _frame_limit() -> str:
     return f"{protocol.MAX_FRAME_BYTES >> 20} MiB"
 
 
+def _core_frame_limit() -> str:
+    from wcache.engine.core import core_messages
+
+    return f"{core_messages.MAX_FRAME_BYTES >> 20} MiB"
+
+
 def _arrival_wait() -> str:
-    from wcache.engine.scheduler import ARRIVAL_WAIT_S
+    from wcache.engine.core.scheduler import ARRIVAL_WAIT_S
 
     return ms(ARRIVAL_WAIT_S)
 
 
 def _fresh_connection() -> str:
-    from wcache.engine.http_front import FRESH_S
+    from wcache.engine.api_server.http_front import FRESH_S
 
     return ms(FRESH_S)
 
 
 def _switch_interval() -> str:
-    from wcache.engine.http_front import SWITCH_INTERVAL_S
+    from wcache.engine.api_server.http_front import SWITCH_INTERVAL_S
 
     return ms(SWITCH_INTERVAL_S)
 
 
 def _stable() -> str:
-    from wcache.engine.respawn import STABLE_S
+    from wcache.engine.respawn.respawn import STABLE_S
 
     return f"{STABLE_S:g} s"
 
 
 def _beat() -> str:
-    from wcache.engine.respawn import BEAT_S
+    from wcache.engine.respawn.respawn import BEAT_S
 
     return f"{BEAT_S:g} s"
 
 
 def _heartbeat_timeout() -> str:
-    from wcache.engine.respawn import HEARTBEAT_TIMEOUT_S
+    from wcache.engine.respawn.respawn import HEARTBEAT_TIMEOUT_S
 
     return f"{HEARTBEAT_TIMEOUT_S:g} s"
 
@@ -244,6 +250,7 @@ PAGES: dict[str, dict[str, object]] = {
     },
     "serve-reference.md": {
         "20 ms": Code(lambda: same(_fresh_connection(), _arrival_wait())),
+        "16 MiB": Code(_core_frame_limit),
         **{f: Stated(SETTINGS) for f in ("5 s", "512 MiB")},
         "17.7 s": Stated(ATTACK_ROUND),
     },

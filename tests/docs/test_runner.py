@@ -304,7 +304,7 @@ def test_expect_output_in_order_with_log_prefixes(tmp_path: Path) -> None:
 
     ```bash
     echo "INFO 12-02 14:07:00 [loader.py:88] Mapped 291 tensors from the weight cache daemon (zero_copy mode)"
-    echo "2026-12-02 14:07:01,123 WARNING wcache.engine.engine: second line"
+    echo "2026-12-02 14:07:01,123 WARNING wcache.engine.core.engine: second line"
     echo done
     ```
 

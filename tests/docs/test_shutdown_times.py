@@ -1,5 +1,5 @@
 """The Kubernetes manifests in examples/ give a pod time for the engine's whole SIGTERM drain
-(engine/drain.py, docs/lifecycle.md#stopping-the-engine): ``terminationGracePeriodSeconds`` covers
+(engine/api_server/drain.py, docs/lifecycle.md#stopping-the-engine): ``terminationGracePeriodSeconds`` covers
 a preStop hook's sleep, ``--shutdown-delay``, ``--shutdown-timeout`` (the manifest's own values, else
 the flags' defaults) and a margin for the engine's own stop. Kubernetes sends SIGKILL at the grace
 period's end, so a shorter one would cut the drain."""
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from wcache.cli.flags import add_preload_args
-from wcache.engine.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S
+from wcache.engine.api_server.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S
 
 
 def _preload_default(dest: str) -> float:

@@ -743,7 +743,7 @@ def declared(metrics) -> list[tuple[str, str, list[str]]]:
 
 def test_metric_tables_are_every_metric_each_server_declares():
     from wcache.daemon.metrics import METRICS as DAEMON
-    from wcache.engine.metrics import METRICS as ENGINE
+    from wcache.engine.api_server.metrics import METRICS as ENGINE
 
     engine, daemon = metric_tables(page("monitoring.md"))
     assert engine == declared(ENGINE) and daemon == declared(DAEMON)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from wcache.daemon.rank import EMFILE_LOG_EVERY_S, IN_FLIGHT_BYTES, REQUEST_TIMEOUT_S
-from wcache.engine.http_front import DEFAULT_LIMITS as HTTP
+from wcache.engine.api_server.http_front import DEFAULT_LIMITS as HTTP
 from wcache.wire.handback import ASK_BUDGET_S
 from wcache.wire.protocol import MAX_FDS
 

@@ -647,8 +647,8 @@ def test_half_sent_http_bodies_hold_a_bounded_number_of_threads(engine):
     """100 bodies that never finish wait on the waiting budget (256), not the completions' (64):
     a legitimate completion is served meanwhile (it was a 503 until issue ops-1), and the threads
     stay bounded by the two budgets and the health lane's."""
-    from wcache.engine.http_front import DEFAULT_LIMITS as L
-    from wcache.engine.server import BODY_DEADLINE_S, MAX_CONNECTIONS
+    from wcache.engine.api_server.http_front import DEFAULT_LIMITS as L
+    from wcache.engine.api_server.server import BODY_DEADLINE_S, MAX_CONNECTIONS
 
     pid = engine.pid
     base = threads(pid)

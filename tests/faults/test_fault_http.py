@@ -19,8 +19,8 @@ import time
 import pytest
 from attacklib import figure
 from procs import http
-from wcache.engine.http_front import BOTH_FRAMINGS, DEFAULT_LIMITS, MANY_LENGTHS, TIMED_OUT, Limits
-from wcache.engine.server import EngineServer
+from wcache.engine.api_server.http_front import BOTH_FRAMINGS, DEFAULT_LIMITS, MANY_LENGTHS, TIMED_OUT, Limits
+from wcache.engine.api_server.server import EngineServer
 
 NO_TUNE = "--no-enable-autotune"
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -6,7 +6,7 @@ clears its dumpable flag (core/no_dump.py), which takes that access away from an
 CAP_SYS_PTRACE. Root has that capability, so wcache and the attacker both run as uid 65534
 (``setpriv``), as tests/faults/test_fault_fds_in_flight.py does: the daemon's launcher and rank, the
 ``--respawn`` supervisor, its serving worker and its spare, and a tensor-parallel engine's second
-rank (``wcache.engine.runner``). What the attacker can still do is what docs/security.md says:
+rank (``wcache.engine.worker.runner``). What the attacker can still do is what docs/security.md says:
 signal them (the test's own stop does that) and connect to their sockets.
 """
 
@@ -165,7 +165,7 @@ def test_a_process_of_the_same_uid_cannot_read_memory_or_take_descriptors(other_
                          "safetensors")
         procs.append(front)
         [runner] = [p for p in child_pids(front.pid)
-                    if "wcache.engine.runner" in Path(f"/proc/{p}/cmdline").read_text()]
+                    if "wcache.engine.worker.runner" in Path(f"/proc/{p}/cmdline").read_text()]
         kinds |= {"engine (rank 0)": front.pid, "engine worker (rank 1)": runner}
 
         got = attack(env, kinds)

@@ -1,4 +1,4 @@
-"""Continuous batching on a GPU (engine/gpu_steps.py): every request gets the tokens it gets alone,
+"""Continuous batching on a GPU (engine/worker/gpu_steps.py): every request gets the tokens it gets alone,
 greedy and seeded, through CUDA graphs of fixed shapes, with more sequences than one tile (the last
 tile overlaps the one before), and the same tokens again with ``--enforce-eager``.
 
@@ -13,11 +13,11 @@ import torch
 from batching_requests import REQUESTS, together
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
-from wcache.engine import gpu_steps
-from wcache.engine.engine import Engine
-from wcache.engine.gpu_steps import TILE_ROWS
-from wcache.engine.runner import EngineOptions
-from wcache.engine.sampling_params import SamplingParams
+from wcache.engine.worker import gpu_steps
+from wcache.engine.core.engine import Engine
+from wcache.engine.worker.gpu_steps import TILE_ROWS
+from wcache.engine.worker.runner import EngineOptions
+from wcache.engine.worker.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +107,7 @@ def test_a_request_that_joins_a_decoding_batch_keeps_its_tokens(graphed):
 
 
 def test_the_steps_record_gpu_time_idle_time_and_row_buckets(graphed):
-    # engine/step_clock.py on a GPU: CUDA events give each busy period's device time and the idle
+    # engine/core/step_clock.py on a GPU: CUDA events give each busy period's device time and the idle
     # between steps; a lone request computes 1 row a step (its bucket), a batch more.
     graphed.generate("A long answer", 12)  # (its first 200 tokens have no EOS: the test above)
     lone = graphed.clock.as_json()["busy_periods"][-1]["decode_steps"]

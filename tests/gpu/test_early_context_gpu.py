@@ -1,4 +1,4 @@
-"""`wcache serve` makes the CUDA context on a thread while it imports (engine/early_context.py): on a
+"""`wcache serve` makes the CUDA context on a thread while it imports (engine/worker/early_context.py): on a
 GPU, the driver's primary context is active before torch is imported, and torch then runs on it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = [
 # while torch has not been imported at all; then torch computes on it.
 PROBE = """
 import ctypes, sys
-from wcache.engine import early_context
+from wcache.engine.worker import early_context
 early_context.start(["serve", "model", "--device", "cuda"])
 early_context.wait()
 assert "torch" not in sys.modules

@@ -18,8 +18,8 @@ from procs import Processes
 
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import Engine
-from wcache.engine.runner import EngineOptions
+from wcache.engine.core.engine import Engine
+from wcache.engine.worker.runner import EngineOptions
 
 pytestmark = [
     pytest.mark.gpu,

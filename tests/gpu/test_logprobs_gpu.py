@@ -1,4 +1,4 @@
-"""Log-probabilities and ``n`` on a GPU (engine/logprobs.py, sampling.py, fanout.py): each score is
+"""Log-probabilities and ``n`` on a GPU (engine/worker/logprobs.py, sampling.py, fanout.py): each score is
 ``log_softmax`` of the very logits the pass gave (the runner's trace), computed on the device; a
 request's tokens and scores are the same alone and in a batch through CUDA graphs (the prompt's
 scores come from an eager pass of every position); ``n`` choices run as their own sequences, choice
@@ -13,11 +13,11 @@ import torch
 from batching_requests import together
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
-from wcache.engine import fanout
-from wcache.engine import openai_api as api
-from wcache.engine.engine import Engine
-from wcache.engine.runner import EngineOptions
-from wcache.engine.sampling_params import SamplingParams
+from wcache.engine.openai import fanout
+from wcache.engine.openai import openai_api as api
+from wcache.engine.core.engine import Engine
+from wcache.engine.worker.runner import EngineOptions
+from wcache.engine.worker.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""Row buckets on a GPU (engine/gpu_steps.py, engine/row_floors.py): a row's logits are the same bit
+"""Row buckets on a GPU (engine/worker/gpu_steps.py, engine/worker/row_floors.py): a row's logits are the same bit
 for bit whether its decode step runs at 1, 2, 4, ... or 64 rows and over a short or a long key
 bucket, through the eager passes and the CUDA graphs, on llama-8b's shapes in bfloat16 and in FP8
 (one layer of random weights: the kernels are chosen by shape, not by values or depth; about 1.5 GB).
@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
-from wcache.engine import row_floors
-from wcache.engine.gpu_steps import GpuSteps
+from wcache.engine.worker import row_floors
+from wcache.engine.worker.gpu_steps import GpuSteps
 from wcache.model import fp8, rope
 from wcache.model.llama import ModelShape, bind_weights, build_meta_model
 from wcache.model.quant import Fp8BlockCheckpoint, QuantMethod

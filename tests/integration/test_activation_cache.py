@@ -10,7 +10,7 @@ import json
 
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed
-from wcache.engine import memory
+from wcache.engine.worker import memory
 from wcache.model.llama import bind_weights, build_meta_model
 
 

@@ -1,4 +1,4 @@
-"""Continuous batching (engine/scheduler.py, engine/engine.py): requests share decode steps, and no
+"""Continuous batching (engine/core/scheduler.py, engine/core/engine.py): requests share decode steps, and no
 request's tokens, timing or buffers depend on who else is in the batch.
 
 The engine tests run a real engine in this process (tiny checkpoint, bfloat16 on CPU: the
@@ -21,10 +21,10 @@ import torch
 from batching_requests import REQUESTS, together
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
-from wcache.engine.engine import STREAM_BUFFER_TOKENS, Engine
-from wcache.engine.runner import EngineOptions
-from wcache.engine.sampling import Sampler, SamplingParams
-from wcache.engine.scheduler import Sequence
+from wcache.engine.core.engine import STREAM_BUFFER_TOKENS, Engine
+from wcache.engine.worker.runner import EngineOptions
+from wcache.engine.worker.sampling import Sampler, SamplingParams
+from wcache.engine.core.scheduler import Sequence
 from wcache.errors import QUEUE_FULL, STREAM_OVERFLOW
 from wcache.model.llama import Linear
 

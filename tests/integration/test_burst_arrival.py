@@ -1,5 +1,5 @@
-"""An idle engine's first step and the requests still arriving (engine/scheduler.py's burst wait,
-engine/server.py's arrival mark), over real loopback HTTP to an engine and its server in this
+"""An idle engine's first step and the requests still arriving (engine/core/scheduler.py's burst wait,
+engine/api_server/server.py's arrival mark), over real loopback HTTP to an engine and its server in this
 process, wired as ``wcache serve`` wires them (engine.run_serve: the scheduler asks the server's
 ``wait_arrived``).
 
@@ -19,10 +19,10 @@ import urllib.request
 import pytest
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
-from wcache.engine import scheduler
-from wcache.engine.engine import Engine
-from wcache.engine.runner import EngineOptions
-from wcache.engine.server import EngineServer
+from wcache.engine.core import scheduler
+from wcache.engine.core.engine import Engine
+from wcache.engine.worker.runner import EngineOptions
+from wcache.engine.api_server.server import EngineServer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from procs import _healthy, free_port, http
 
 from wcache import errors
-from wcache.engine import chat_template
+from wcache.engine.openai import chat_template
 from wcache.model.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 96

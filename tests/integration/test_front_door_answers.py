@@ -3,7 +3,7 @@ no answer at all for a client that half-closes its connection after sending its 
 
 Real sockets against a real `wcache serve`: the half-closing client is a raw socket that calls
 ``shutdown(SHUT_WR)``; it must get the interim ``100 Continue`` the engine writes to tell a
-half-close from a close (engine/client_gone.py), then its 200. A client that closes outright is
+half-close from a close (engine/api_server/client_gone.py), then its 200. A client that closes outright is
 still seen gone (tests/integration/test_front_door_ops.py's abandoned completions).
 """
 
@@ -16,7 +16,7 @@ import pytest
 from test_front_door_ops import LIMIT, completion_body, open_stream, post_head, request
 from wcache.errors import BUSY_MESSAGE
 
-INTERIM = b"HTTP/1.1 100 Continue\r\n\r\n"  # engine/client_gone.py writes it at a FIN
+INTERIM = b"HTTP/1.1 100 Continue\r\n\r\n"  # engine/api_server/client_gone.py writes it at a FIN
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from procs import complete, http
-from wcache.engine.access_log import CLIENT_CLOSED
+from wcache.engine.api_server.access_log import CLIENT_CLOSED
 from wcache.errors import BUSY_MESSAGE, NOT_ALLOWED, SHUTTING_DOWN
 
 LIMIT = 4  # --max-concurrent-connections of the module's engine

@@ -265,11 +265,11 @@ def test_computed_like_transformers_in_this_process(name, written):
 
 @pytest.mark.parametrize("name", ["tf5-gqa-head-dim-llama3-sharded", "tf4-gqa-llama3-sharded"])
 def test_a_chat_request_is_encoded_as_apply_chat_template_encodes_it(name, written):
-    """The served chat path's own parser (engine/chat.py), on transformers' saved tokenizer and
+    """The served chat path's own parser (engine/openai/chat.py), on transformers' saved tokenizer and
     template: the prompt ids are apply_chat_template's."""
     if name.startswith("tf4") and tf4_missing():
         pytest.skip(tf4_missing())
-    from wcache.engine import chat, chat_template
+    from wcache.engine.openai import chat, chat_template
     from wcache.model.tokenizer import Tokenizer
 
     model = str(written[name] / "model")

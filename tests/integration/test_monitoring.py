@@ -335,7 +335,7 @@ def test_what_the_servers_export_is_what_the_tables_declare(procs, tiny_model):
     """The guide's tables come from METRICS (tools/doc_tables.py): every family a real engine and
     daemon export is declared there, and every declared engine family is exported."""
     from wcache.daemon.metrics import METRICS as DAEMON
-    from wcache.engine.metrics import METRICS as ENGINE
+    from wcache.engine.api_server.metrics import METRICS as ENGINE
 
     health = free_port()
     procs.preload(tiny_model, NO_TUNE, "--weight-cache-health-host", "127.0.0.1", "--weight-cache-health-port",

@@ -31,7 +31,7 @@ from wcache.engine.loading.ipc_cache import IpcCacheLoader
 from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.wire.handback import OFFER_PREFIX
 from wcache.wire.sockets import DaemonLock, prepare_socket_dir, socket_name
-from wcache.engine.supervisor import WORKERS_EXITED
+from wcache.engine.worker.supervisor import WORKERS_EXITED
 from wcache.errors import ENGINE_DEAD, DaemonLockError
 
 NO_TUNE = "--no-enable-autotune"

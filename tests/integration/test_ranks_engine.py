@@ -21,10 +21,10 @@ from wcache.cli import build_parser
 from wcache.errors import KVCacheBudgetError
 from wcache.engine.loading.config import parse_loader_config
 from wcache.core.settings import from_flags
-from wcache.engine.engine import rank_specs
-from wcache.engine.settings import EngineSettings
-from wcache.engine.runner import OP_STOP, RankRunner
-from wcache.engine.supervisor import spawn_worker
+from wcache.engine.core.engine import rank_specs
+from wcache.engine.core.settings import EngineSettings
+from wcache.engine.worker.runner import OP_STOP, RankRunner
+from wcache.engine.worker.supervisor import spawn_worker
 
 TP_ATOL = 1e-5  # logits of this model are O(1); float32 reordering moves them by about 2e-7
 PROMPT = tokenizer.encode("The weight cache keeps")
@@ -130,8 +130,8 @@ def test_ranks_batch_in_lockstep(model16, layout):
     (greedy and seeded sampling); the worker stops cleanly."""
     import threading
 
-    from wcache.engine.engine import Engine
-    from wcache.engine.sampling_params import SamplingParams
+    from wcache.engine.core.engine import Engine
+    from wcache.engine.worker.sampling_params import SamplingParams
 
     prompts = [f"Request {i} asks" for i in range(6)]
     params = [SamplingParams() if i % 2 else SamplingParams(0.9, 0.95, 7 + i) for i in range(6)]

@@ -1,4 +1,4 @@
-"""`wcache serve --respawn` (engine/respawn.py, engine/spare.py) with real processes and clients.
+"""`wcache serve --respawn` (engine/respawn/respawn.py, engine/respawn/spare.py) with real processes and clients.
 
 The serving worker is killed with SIGKILL under a steady client: no connection is refused, at most
 the request in flight fails (its connection is closed), and answers resume within 1.5 s, served
@@ -22,9 +22,9 @@ import time
 import pytest
 from itest import child_pids, run_cli, wait_until
 from wcache.bench.respawn import failure_kind, kill_under_load, post
-from wcache.engine.respawn import BACKOFF_S, BEAT_S, HUNG, HUNG_CAUSE, MAX_DEATHS, STABLE_S, TIMELINE
-from wcache.engine import memory
-from wcache.engine.spare import SPARE_COLD_COPY, SPARE_HOT
+from wcache.engine.respawn.respawn import BACKOFF_S, BEAT_S, HUNG, HUNG_CAUSE, MAX_DEATHS, STABLE_S, TIMELINE
+from wcache.engine.worker import memory
+from wcache.engine.respawn.spare import SPARE_COLD_COPY, SPARE_HOT
 from wcache.errors import MAPPED, RespawnError
 
 SPARE = "Spare engine worker pid"
@@ -109,7 +109,7 @@ def _complete(port: int, body: dict, outcome: dict) -> None:
 
 
 def test_a_request_not_yet_answered_at_the_death_is_answered_by_the_spare(procs, tiny_model):
-    """The supervisor holds every connection (engine/reception.py): a request whose answer had not
+    """The supervisor holds every connection (engine/respawn/reception.py): a request whose answer had not
     begun is handed again to the promoted spare, and an idle keep-alive connection outlives its
     worker."""
     import json
@@ -236,7 +236,7 @@ def test_the_supervisor_holds_neither_torch_nor_the_model(procs, tiny_model):
     maps = open(f"/proc/{p.pid}/maps").read()
     assert "torch" not in maps and "libtorch" not in maps, [l for l in maps.splitlines() if "torch" in l][:3]
     cmdline = open(f"/proc/{p.pid}/cmdline").read().split("\0")
-    assert cmdline[1:3] == ["-m", "wcache.engine.respawn"], cmdline
+    assert cmdline[1:3] == ["-m", "wcache.engine.respawn.respawn"], cmdline
     rss = next(int(l.split()[1]) for l in open(f"/proc/{p.pid}/status") if l.startswith("VmRSS:")) * 1024
     assert rss < 60 * 2**20, rss
     # Its workers still have torch: the supervisor did not lose the engine, only stopped carrying it.

@@ -1,4 +1,4 @@
-"""The streaming bench explains a step (engine/step_clock.py) and measures the bare step beside it
+"""The streaming bench explains a step (engine/core/step_clock.py) and measures the bare step beside it
 (bench/bare_step.py), in one run against a real `wcache serve` on CPU: the lone client's busy
 period and the clients' are told apart, the GPU's columns are null with their reason, and the host
 time's profile adds up."""

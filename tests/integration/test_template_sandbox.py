@@ -1,5 +1,5 @@
 """A chat template that never ends, or eats memory, is stopped at its deadline; the engine serves on
-and still stops on SIGTERM within --shutdown-timeout (engine/template_sandbox.py).
+and still stops on SIGTERM within --shutdown-timeout (engine/openai/template_sandbox.py).
 
 The template is the attack round's: two nested ``range(100000)`` loops, run only when the first
 message says ``spin`` (so the same server also answers ordinary chats), and a 1 GB string when it
@@ -37,7 +37,7 @@ def workers(pid: int) -> list[int]:
     out = []
     for p in child_pids(pid):
         try:
-            if b"wcache.engine.template_worker" in Path(f"/proc/{p}/cmdline").read_bytes():
+            if b"wcache.engine.openai.template_worker" in Path(f"/proc/{p}/cmdline").read_bytes():
                 out.append(p)
         except OSError:
             pass

@@ -1,5 +1,5 @@
 """`wcache serve` as a front process and an engine core (WCACHE_ENABLE_V1_MULTIPROCESSING=1,
-engine/front.py): real processes, real HTTP, the same answers as one process gives."""
+engine/api_server/front.py): real processes, real HTTP, the same answers as one process gives."""
 
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ def test_tensor_parallel_ranks_follow_the_core_and_a_dead_one_turns_health_to_50
     """TP=2: the core is engine rank 0 and starts the other rank; both answer as one process's did.
     A rank that dies after start-up turns the front's /health to 503 (the supervisor's line)."""
     from wcache.core.checkpoint import make_checkpoint
-    from wcache.engine.supervisor import WORKERS_EXITED
+    from wcache.engine.worker.supervisor import WORKERS_EXITED
 
     model = make_checkpoint(tmp_path_factory.mktemp("tp") / "tiny32", "tiny", dtype="float32")
     one = serve(procs, model)

@@ -1,11 +1,11 @@
-"""The API key check (engine/auth.py): which routes it guards, what it accepts, where the key comes from."""
+"""The API key check (engine/api_server/auth.py): which routes it guards, what it accepts, where the key comes from."""
 
 from __future__ import annotations
 
 import pytest
 
 from wcache import errors
-from wcache.engine.auth import ApiKeys, from_flag_or_env
+from wcache.engine.api_server.auth import ApiKeys, from_flag_or_env
 
 KEY = "sk-test-0123456789"
 

@@ -1,4 +1,4 @@
-"""The chat template (engine/chat_template.py): found where transformers and vLLM look, rendered as
+"""The chat template (engine/openai/chat_template.py): found where transformers and vLLM look, rendered as
 transformers renders it (compared with transformers' own renderer), sandboxed, and encoded by the
 checkpoint's tokenizer with BOS and EOS as their ids."""
 
@@ -11,8 +11,8 @@ import pytest
 from wcache import errors
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.checkpoint_tokenizer import BOS_ID, CHAT_TEMPLATE, EOS_ID
-from wcache.engine import chat_template
-from wcache.engine.chat_template import ChatTemplate, ChatTemplateError, RenderError
+from wcache.engine.openai import chat_template
+from wcache.engine.openai.chat_template import ChatTemplate, ChatTemplateError, RenderError
 from wcache.model.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo {{ x }}"},

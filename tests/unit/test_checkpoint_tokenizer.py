@@ -88,6 +88,6 @@ def test_a_broken_tokenizer_json_is_refused_with_its_path(tmp_path):
 
 
 def test_the_tokenizer_modules_import_no_torch():
-    code = ("import sys; import wcache.model.tokenizer, wcache.model.generation_config, wcache.engine.textstream; "
+    code = ("import sys; import wcache.model.tokenizer, wcache.model.generation_config, wcache.engine.core.textstream; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

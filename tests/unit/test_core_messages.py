@@ -1,4 +1,4 @@
-"""The front/engine-core channel's frames (engine/core_messages.py), over a real socket pair."""
+"""The front/engine-core channel's frames (engine/core/core_messages.py), over a real socket pair."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 
 import msgspec
 import pytest
-from wcache.engine.core_messages import (
+from wcache.engine.core.core_messages import (
     MAX_FRAME_BYTES,
     AbortRequest,
     AddRequest,
@@ -21,7 +21,7 @@ from wcache.engine.core_messages import (
     params_of,
     sampling_of,
 )
-from wcache.engine.sampling_params import SamplingParams
+from wcache.engine.worker.sampling_params import SamplingParams
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from wcache.engine import early_context
+from wcache.engine.worker import early_context
 
 
 @pytest.mark.parametrize("argv, wanted", [

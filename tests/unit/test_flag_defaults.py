@@ -3,7 +3,7 @@ its flags without torch): each must equal its owner's."""
 
 from wcache.core import config, ranks
 from wcache.core import flag_defaults as defaults
-from wcache.engine import runner
+from wcache.engine.worker import runner
 from wcache.model import quant
 
 

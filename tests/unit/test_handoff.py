@@ -1,6 +1,6 @@
 """The ``--respawn`` handoff's pieces without processes: frames with a descriptor over a real Unix
-socket pair (engine/handoff.py), and when the supervisor has read a whole request
-(engine/reception.py's ``request_complete``)."""
+socket pair (engine/respawn/handoff.py), and when the supervisor has read a whole request
+(engine/respawn/reception.py's ``request_complete``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import socket
 import sys
 
-from wcache.engine import handoff
-from wcache.engine.reception import MAX_HEAD, request_complete
+from wcache.engine.respawn import handoff
+from wcache.engine.respawn.reception import MAX_HEAD, request_complete
 
 MAX_BODY = 1 << 20
 
@@ -77,7 +77,7 @@ def test_a_request_is_complete_with_its_whole_body_or_when_the_worker_must_refus
 def test_the_supervisor_side_imports_no_torch():
     import subprocess
 
-    code = ("import sys, wcache.engine.respawn, wcache.engine.reception, wcache.engine.handoff; "
+    code = ("import sys, wcache.engine.respawn.respawn, wcache.engine.respawn.reception, wcache.engine.respawn.handoff; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
@@ -85,12 +85,12 @@ def test_the_supervisor_side_imports_no_torch():
 
 def test_a_worker_that_breaks_the_protocol_is_caught_and_not_read_again():
     # What a lying worker (a bug, or a process that is no longer the engine) can put on its channel:
-    # each is a BadFrame, which the supervisor answers by killing that worker (engine/respawn.py).
+    # each is a BadFrame, which the supervisor answers by killing that worker (engine/respawn/respawn.py).
     import struct
 
     import pytest
 
-    from wcache.engine.reception import Reception
+    from wcache.engine.respawn.reception import Reception
 
     sends = [struct.pack(">I", handoff.MAX_FRAME + 1), struct.pack(">I", 5) + b"{nope",
              struct.pack(">I", 4) + b"[12]", struct.pack(">I", 2) + b"\xff\xfe"]

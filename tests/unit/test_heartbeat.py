@@ -1,4 +1,4 @@
-"""The serving worker's heartbeat (engine/heartbeat.py) with a forward pass stuck while the process
+"""The serving worker's heartbeat (engine/respawn/heartbeat.py) with a forward pass stuck while the process
 runs: its other threads go on (the HTTP threads, the beat's own), only the pass does not return.
 A SIGSTOP (tests/integration/test_respawn.py) freezes every thread, the beat's included, so it
 cannot tell whether the beat watches the passes at all; this does. Real threads, real clock; what
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
-from wcache.engine.heartbeat import Heartbeat
+from wcache.engine.respawn.heartbeat import Heartbeat
 
 INTERVAL_S, STALL_S = 0.01, 0.2
 

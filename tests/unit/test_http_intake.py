@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
-from wcache.engine.http_front import ARRIVING, FRESH_S, IDLE, WORKING, Connections, Limits
-from wcache.engine.server import EngineServer
-from wcache.engine.worker_threads import WorkerThreads
+from wcache.engine.api_server.http_front import ARRIVING, FRESH_S, IDLE, WORKING, Connections, Limits
+from wcache.engine.api_server.server import EngineServer
+from wcache.engine.api_server.worker_threads import WorkerThreads
 
 
 @pytest.fixture

@@ -173,3 +173,55 @@ def test_no_module_of_the_package_is_over_600_lines(tmp_path):
     (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     (tmp_path / "at_limit.py").write_text("x = 1\n" * MAX_LINES)
     assert modules_over(tmp_path, MAX_LINES) == [f"long.py: {MAX_LINES + 1} lines"]
+
+
+# The engine's rooms, top to bottom (reference_impl/wcache/engine/__init__.py): a module imports its own
+# room or the rooms below it, never one above; "serve" is engine/serve.py, the one-process start-up.
+ENGINE_ROOMS = ["respawn", "serve", "api_server", "openai", "core", "worker", "loading"]
+MAX_ENGINE_ROOT_MODULES = 12
+
+
+def engine_room(path: Path) -> str:
+    rel = path.relative_to(PKG / "engine")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def engine_arrows_up(root: Path) -> list[str]:
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        room = engine_room(path) if root == PKG / "engine" else path.relative_to(root).parts[0]
+        if room == "__init__":
+            continue
+        if room not in ENGINE_ROOMS:
+            problems.append(f"engine/{path.relative_to(root)}: room {room!r} is not in ENGINE_ROOMS")
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if isinstance(node, ast.ImportFrom) and node.module == "wcache.engine":
+                names = [f"wcache.engine.{a.name}" for a in node.names]
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] != ["wcache", "engine"] or len(parts) < 3:
+                    continue
+                target = parts[2]
+                if target in ENGINE_ROOMS and ENGINE_ROOMS.index(target) < ENGINE_ROOMS.index(room):
+                    problems.append(f"engine/{path.relative_to(root)}:{node.lineno}: {room} imports {target}, a room above it")
+    return problems
+
+
+def test_the_engines_rooms_import_downwards_only():
+    problems = engine_arrows_up(PKG / "engine")
+    assert not problems, "\n".join(problems)
+    root_modules = [p.name for p in (PKG / "engine").glob("*.py") if p.name != "__init__.py"]
+    assert len(root_modules) <= MAX_ENGINE_ROOT_MODULES, root_modules
+
+
+def test_the_room_check_sees_an_arrow_up(tmp_path):
+    """Negative control: a worker module that imports the API server is named."""
+    (tmp_path / "worker").mkdir()
+    (tmp_path / "worker" / "runner.py").write_text("from wcache.engine.api_server import server\n")
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "engine.py").write_text("from wcache.engine.worker.runner import RankRunner\n")
+    problems = engine_arrows_up(tmp_path)
+    assert len(problems) == 1 and "worker imports api_server" in problems[0], problems

@@ -1,4 +1,4 @@
-"""vLLM's logits processing and log-probabilities on known rows (engine/penalties.py, sampling.py,
+"""vLLM's logits processing and log-probabilities on known rows (engine/worker/penalties.py, sampling.py,
 logprobs.py): each setting moves the logits exactly as its formula says (the formulas
 docs/serve-reference.md cites), and the scores are log_softmax of the raw logits."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wcache.engine.logprobs import score, score_prompt
-from wcache.engine.sampling import Sampler, SamplingParams
-from wcache.engine.textstream import TextStream
+from wcache.engine.worker.logprobs import score, score_prompt
+from wcache.engine.worker.sampling import Sampler, SamplingParams
+from wcache.engine.core.textstream import TextStream
 
 ROW = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
 
@@ -119,8 +119,8 @@ def test_include_stop_keeps_the_stop_string_and_min_tokens_delays_it():
 
 # -- the answers' shapes (logprob_answers.py) ------------------------------------------------------
 def test_completion_logprobs_hold_the_chosen_token_and_the_top_k_and_go_on_across_parts():
-    from wcache.engine.logprob_answers import CompletionLogprobs
-    from wcache.engine.outputs import Sampled
+    from wcache.engine.openai.logprob_answers import CompletionLogprobs
+    from wcache.engine.worker.outputs import Sampled
 
     fmt = CompletionLogprobs(None, 2)  # no tokenizer: tokens named token_id:N, as vLLM names them then
     first = fmt.part([7, 3], [None, Sampled(3, -2.5, 4, ((1, -0.1), (2, -0.9), (3, -2.5)))])
@@ -132,8 +132,8 @@ def test_completion_logprobs_hold_the_chosen_token_and_the_top_k_and_go_on_acros
 
 
 def test_chat_logprobs_list_the_top_k_in_rank_order_and_prompt_logprobs_carry_ranks():
-    from wcache.engine.logprob_answers import chat_logprobs, prompt_logprobs
-    from wcache.engine.outputs import PromptScores, Sampled
+    from wcache.engine.openai.logprob_answers import chat_logprobs, prompt_logprobs
+    from wcache.engine.worker.outputs import PromptScores, Sampled
 
     entry = Sampled(5, -1.5, 2, ((4, -0.5), (5, -1.5), (6, -3.0)))
     [one] = chat_logprobs(None, (entry,), 2)["content"]

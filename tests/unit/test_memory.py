@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from wcache.engine import memory
+from wcache.engine.worker import memory
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
-from wcache.engine.engine import Engine
-from wcache.engine.runner import EngineOptions
+from wcache.engine.core.engine import Engine
+from wcache.engine.worker.runner import EngineOptions
 from wcache.errors import ExternalWeightsExceedBudgetError, FreeMemoryError, KVCacheBudgetError
 from wcache.model.llama import bind_weights, build_meta_model
 

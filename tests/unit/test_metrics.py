@@ -12,7 +12,7 @@ import time
 
 from wcache.daemon.metrics import lock_waiters
 from wcache.engine.loading.lease import daemon_alive
-from wcache.engine.metrics import load_labels
+from wcache.engine.api_server.metrics import load_labels
 from wcache.engine.loading.base import LoadReport
 
 

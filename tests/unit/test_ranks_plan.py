@@ -1,5 +1,5 @@
 """Rank planning and its validation (wcache.core.ranks), parsed from the real command line; and greedy
-draft-then-verify decoding in one process (wcache.engine.runner), which must give the target's greedy
+draft-then-verify decoding in one process (wcache.engine.worker.runner), which must give the target's greedy
 output whatever the draft proposes."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from wcache.engine.loading.config import parse_loader_config
 from wcache.model.llama import bind_weights, build_meta_model, generate
 from wcache.core.ranks import ParallelSettings
 from wcache.core.settings import from_flags
-from wcache.engine.engine import rank_specs
-from wcache.engine.settings import EngineSettings
-from wcache.engine.runner import RankRunner
+from wcache.engine.core.engine import rank_specs
+from wcache.engine.core.settings import EngineSettings
+from wcache.engine.worker.runner import RankRunner
 
 TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512}
 WIDE = {"num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 8, "vocab_size": 512}

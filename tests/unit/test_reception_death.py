@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from wcache.engine import handoff
-from wcache.engine.reception import Reception, written
+from wcache.engine.respawn import handoff
+from wcache.engine.respawn.reception import Reception, written
 
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{\"ok\": 1} "

@@ -1,10 +1,10 @@
-"""engine/row_floors.py's rule, on CPU: a kernel's floor is the fewest rows from which its rows equal
+"""engine/worker/row_floors.py's rule, on CPU: a kernel's floor is the fewest rows from which its rows equal
 the whole tile's at every bucket; the GPU check itself is tests/gpu/test_row_buckets_gpu.py."""
 
 from __future__ import annotations
 
 import torch
-from wcache.engine import row_floors
+from wcache.engine.worker import row_floors
 from wcache.model.llama import at_least_rows
 
 

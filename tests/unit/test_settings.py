@@ -15,7 +15,7 @@ from wcache.bench.settings import BenchSettings
 from wcache.cli import build_parser
 from wcache.core.settings import from_flags
 from wcache.daemon.launcher import PreloadSettings
-from wcache.engine.settings import EngineSettings
+from wcache.engine.core.settings import EngineSettings
 
 # The fields of ParallelSettings that only the other command has (core/ranks.py says which).
 SERVE_ONLY = {"data_parallel_rank"}

@@ -5,8 +5,8 @@ sequence keeps its tokens."""
 
 from __future__ import annotations
 
-from wcache.engine.sampling import GREEDY, Sampler
-from wcache.engine.scheduler import Scheduler, Sequence
+from wcache.engine.worker.sampling import GREEDY, Sampler
+from wcache.engine.core.scheduler import Scheduler, Sequence
 
 
 def running(n: int, slots: int) -> tuple[Scheduler, list[Sequence]]:

@@ -1,4 +1,4 @@
-"""The render runner (engine/template_sandbox.py) with real worker processes, without an engine:
+"""The render runner (engine/openai/template_sandbox.py) with real worker processes, without an engine:
 its limits, a worker that dies while idle, and a worker that imports no torch."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from wcache.engine import template_sandbox
-from wcache.engine.template_sandbox import RenderRunner, SandboxError
+from wcache.engine.openai import template_sandbox
+from wcache.engine.openai.template_sandbox import RenderRunner, SandboxError
 
 MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
 SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

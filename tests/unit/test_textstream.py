@@ -1,5 +1,5 @@
-"""A completion's text as tokens arrive (engine/textstream.py over model/tokenizer.py's incremental
-Detokenizer) and how tokens are drawn (engine/sampling.py): the pieces never split a character nor
+"""A completion's text as tokens arrive (engine/core/textstream.py over model/tokenizer.py's incremental
+Detokenizer) and how tokens are drawn (engine/worker/sampling.py): the pieces never split a character nor
 repeat a token, always join to the decoding of every id, stop strings cut the text, a stop id adds
 none; sampling is greedy at temperature 0 and reproducible with a seed."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from wcache.core.checkpoint_tokenizer import BOS_ID, EOS_ID, train
-from wcache.engine.sampling import Sampler, SamplingParams
-from wcache.engine.textstream import TextStream
+from wcache.engine.worker.sampling import Sampler, SamplingParams
+from wcache.engine.core.textstream import TextStream
 from wcache.model.tokenizer import Tokenizer
 
 

@@ -1,4 +1,4 @@
-"""GPU: the decode step at each row bucket (engine/gpu_steps.py) against the bare step
+"""GPU: the decode step at each row bucket (engine/worker/gpu_steps.py) against the bare step
 (bench/bare_step.py), on a whole llama-8b of random weights, bf16 and FP8; and a row's logits the same
 at 1 row and at 64. Run from the repository root on the GPU machine:
 
@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, "tests/gpu")
 from test_row_buckets_gpu import llama_8b_layer
 from wcache.bench import bare_step
-from wcache.engine.gpu_steps import GpuSteps
+from wcache.engine.worker.gpu_steps import GpuSteps
 
 SLOTS, SLOT_LEN, POSITION = 64, 1024, 511  # keys 0..511: bucket 512, as the bare step's 512
 

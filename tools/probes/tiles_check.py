@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from wcache.model import rope
 from wcache.model.llama import ModelShape, build_meta_model, bind_weights
 from wcache.model import quant as qm
-from wcache.engine import gpu_steps
-from wcache.engine.gpu_steps import GpuSteps as TiledDecoder
+from wcache.engine.worker import gpu_steps
+from wcache.engine.worker.gpu_steps import GpuSteps as TiledDecoder
 dev, dt = "cuda", torch.bfloat16
 torch.manual_seed(0)
 R = {}

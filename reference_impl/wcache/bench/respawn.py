@@ -34,8 +34,8 @@ from wcache.bench.api import complete, free_port
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import quantization_flag, rss_bytes, terminate
 from wcache.bench.settings import BenchSettings
-from wcache.engine.respawn import STABLE_S, TIMELINE
-from wcache.engine.spare import SPARE_COLD_COPY, SPARE_COLD_FAILED, SPARE_HOT
+from wcache.engine.respawn.respawn import STABLE_S, TIMELINE
+from wcache.engine.respawn.spare import SPARE_COLD_COPY, SPARE_COLD_FAILED, SPARE_HOT
 from wcache.wire.sockets import short_private_dir
 
 PROMPT, MAX_TOKENS = "Hello", 1  # the smallest answer: what a client waits for is the engine, not decoding

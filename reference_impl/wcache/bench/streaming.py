@@ -14,7 +14,7 @@ The engine batches the clients (continuous batching): each joins at the next ste
 aggregate tokens/s and time-to-first-token p99 as multiples of its, with the engine's own per-step
 figures (logged when it stops): the step, the forward passes in it, and the overhead between.
 
-Every run also records what a step is made of (``step_profile``, engine/step_clock.py: per step the
+Every run also records what a step is made of (``step_profile``, engine/core/step_clock.py: per step the
 device's time from CUDA events, the device idle between steps, host time, the engine thread's CPU
 time, rows, and the host time by phase), for the clients' burst and the lone client's last run,
 printed as a table; and, once the server is gone, the same model's bare decode step with no server
@@ -142,7 +142,7 @@ def engine_steps(log_path: Path, marker: str = "Engine steps (ms per step): ") -
 
 
 def step_profile(log_path: Path, vs_one: bool) -> dict | None:
-    """What a step costs and where its time goes (engine/step_clock.py), for the clients' burst and,
+    """What a step costs and where its time goes (engine/core/step_clock.py), for the clients' burst and,
     with ``--vs-one``, the lone client's last run: the engine's last two busy periods (it goes idle
     between the bench's requests, and the burst's streams all end in its last one)."""
     logged = engine_steps(log_path, "Engine step profile: ")

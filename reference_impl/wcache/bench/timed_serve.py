@@ -17,17 +17,19 @@ import time
 def serve_timed(t0: float, marks_path: str, argv: list[str], main) -> int:
     """`wcache serve argv`, run by ``main`` (the command line's entry point), with its start-up steps
     timed into ``marks_path`` (one JSON line each). The CUDA context is asked for first, as
-    ``main`` does for `wcache serve` (engine/early_context.py; asking twice starts it once)."""
+    ``main`` does for `wcache serve` (engine/worker/early_context.py; asking twice starts it once)."""
     marks = open(marks_path, "a", buffering=1)
 
     def mark(phase: str, start: float) -> None:
         marks.write(json.dumps({"phase": phase, "start": start, "end": time.monotonic()}) + "\n")
 
-    from wcache.engine import early_context
+    from wcache.engine.worker import early_context
 
     early_context.start(argv[argv.index("serve") + 1:])
     from wcache.core import autotune
-    from wcache.engine import engine, memory, runner, server  # noqa: F401  (what `wcache serve` imports)
+    from wcache.engine.core import engine  # noqa: F401  (what `wcache serve` imports)
+    from wcache.engine.worker import memory, runner
+    from wcache.engine.api_server import server
     from wcache.model.llama import Llama
 
     mark("imports", t0)

@@ -93,8 +93,8 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    if _two_processes(["--respawn"] if args.respawn else []):  # the front: no torch here (engine/front.py)
-        from wcache.engine.front import run_front
+    if _two_processes(["--respawn"] if args.respawn else []):  # the front: no torch here (engine/api_server/front.py)
+        from wcache.engine.api_server.front import run_front
 
         return run_front(args)
     from wcache.engine.serve import run_serve
@@ -102,7 +102,7 @@ def cmd_serve(args) -> int:
 
     loader_config = parse_loader_config(args.model_loader_extra_config)
     if args.respawn:
-        from wcache.engine.respawn import run_respawn
+        from wcache.engine.respawn.respawn import run_respawn
 
         return run_respawn(args, loader_config)
     return run_serve(args, loader_config)
@@ -132,12 +132,12 @@ def cmd_bench(args) -> int:
 
 
 def _two_processes(argv: list[str]) -> bool:
-    """`wcache serve` as a front and an engine core (engine/front.py says when)."""
+    """`wcache serve` as a front and an engine core (engine/api_server/front.py says when)."""
     import os
 
     if os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") != "1":
         return False
-    from wcache.engine.front import enabled
+    from wcache.engine.api_server.front import enabled
 
     return enabled("--respawn" in argv)
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command_named(argv)
     if command == "serve" and not _two_processes(argv):  # the CUDA context is made while the engine imports
         # (early_context.py); a front leaves the device to its engine core
-        from wcache.engine import early_context
+        from wcache.engine.worker import early_context
 
         early_context.start(argv)
     if command != "preload" or {"-h", "--help"} & set(argv):

@@ -184,7 +184,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_api_args(p) -> None:
-    """What the HTTP API answers to (vLLM's flags): names, chat template, API key (engine/served.py)."""
+    """What the HTTP API answers to (vLLM's flags): names, chat template, API key (engine/api_server/served.py)."""
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) the API answers to: a request's model may be any of them, answers "
                         "carry the first (default: the model directory as given)")
@@ -205,7 +205,7 @@ def add_api_args(p) -> None:
                    help="where the stop ids (eos_token_id) come from: auto, the model directory's "
                         "generation_config.json (else config.json's); vllm, none but the tokenizer's EOS; or a "
                         "directory holding a generation_config.json")
-    from wcache.engine import template_sandbox  # the standard library only
+    from wcache.engine.openai import template_sandbox  # the standard library only
 
     p.add_argument("--chat-template-render-timeout", type=_positive_float, default=template_sandbox.DEFAULT_TIMEOUT_S,
                    metavar="SECONDS",
@@ -215,7 +215,7 @@ def add_api_args(p) -> None:
 
 def add_http_args(p) -> None:
     """The HTTP server's operation: its completion limit, its request log and its SIGTERM drain
-    (engine/http_front.py, access_log.py, drain.py; docs/lifecycle.md says why these defaults)."""
+    (engine/api_server/http_front.py, access_log.py, drain.py; docs/lifecycle.md says why these defaults)."""
     g = p.add_argument_group("HTTP server and shutdown")
     g.add_argument("--max-concurrent-connections", type=_positive, default=64, metavar="N",
                    help="connections working on a request at once (completions, models); past it a 503. "

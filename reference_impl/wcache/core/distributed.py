@@ -1,7 +1,7 @@
 """Joining a torch.distributed world, and leaving a process that joined one.
 
 The daemons of a group form one world (``join_daemon_world``); the engine's ranks form their own
-(engine/world.py). Both leave through ``exit_after_collectives``.
+(engine/worker/world.py). Both leave through ``exit_after_collectives``.
 """
 
 from __future__ import annotations

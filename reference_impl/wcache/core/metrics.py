@@ -1,7 +1,7 @@
 """Prometheus metrics, as both sides declare, build and render them (prometheus_client underneath).
 
 A ``Metric`` is one declared series family: its name, kind, help, labels and (histograms) buckets.
-engine/metrics.py and daemon/metrics.py each declare their list; the guide's metric table is
+engine/api_server/metrics.py and daemon/metrics.py each declare their list; the guide's metric table is
 generated from those lists (tools/doc_tables.py), and a test scrapes both servers and compares.
 
 Two ways a value reaches a scrape:

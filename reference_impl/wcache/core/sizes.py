@@ -1,5 +1,5 @@
 """Sizes as flags give them (``8GiB``, ``512MB``, plain bytes): the standard library only, so that
-`wcache serve`'s front process parses its flags without torch (engine/core_client.py)."""
+`wcache serve`'s front process parses its flags without torch (engine/api_server/core_client.py)."""
 
 from __future__ import annotations
 

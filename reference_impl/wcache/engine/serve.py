@@ -13,9 +13,9 @@ import os
 
 from wcache.core.distributed import exit_after_collectives
 from wcache.core.settings import from_flags
-from wcache.engine.engine import Engine, rank_specs
-from wcache.engine.runner import RankRunner
-from wcache.engine.settings import EngineSettings
+from wcache.engine.core.engine import Engine, rank_specs
+from wcache.engine.worker.runner import RankRunner
+from wcache.engine.core.settings import EngineSettings
 from wcache.errors import ENGINE_DEAD
 
 log = logging.getLogger("wcache.engine")
@@ -25,15 +25,15 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
               prepared: RankRunner | None = None, served=None) -> int:
     """``wcache serve``: every world size, one path.
 
-    A ``--respawn`` worker (engine/spare.py) passes the listening socket its supervisor bound
+    A ``--respawn`` worker (engine/respawn/spare.py) passes the listening socket its supervisor bound
     (``sock``); a promoted spare leaves clients in the backlog until it is ready
     (``answer_while_loading=False``) and reports readiness with ``on_ready(engine, server)``. A hot
     spare passes the rank it ``prepare``d while waiting (``prepared``), and its ``ServedModel`` (names,
     chat template, API key; 3-4 ms on a 2-core CPU): only its KV cache is left to do.
     """
-    from wcache.engine.served import ServedModel
-    from wcache.engine.server import EngineServer, run_until_signal
-    from wcache.engine.supervisor import Supervisor
+    from wcache.engine.api_server.served import ServedModel
+    from wcache.engine.api_server.server import EngineServer, run_until_signal
+    from wcache.engine.worker.supervisor import Supervisor
 
     # The engine's part of the flags as typed settings; the HTTP side still reads ``args`` (see settings.py).
     plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
@@ -59,7 +59,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         raise
     supervisor.started_ok = True
     if not plan.drives:
-        from wcache.engine.runner import serve_requests
+        from wcache.engine.worker.runner import serve_requests
 
         log.info("Engine node %d ready: %d rank(s) follow engine rank 0 at %s", plan.layout.node_rank,
                  len(specs), plan.init_method)

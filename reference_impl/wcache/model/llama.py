@@ -114,7 +114,7 @@ def row_sizes(most: int) -> list[int]:
 
 def at_least_rows(x: torch.Tensor, project, rows: int) -> torch.Tensor:
     """``project(x)`` over at least ``rows`` rows (zero rows added, their results dropped): a GPU
-    kernel whose result for a row depends on how few rows run with it (engine/row_floors.py)."""
+    kernel whose result for a row depends on how few rows run with it (engine/worker/row_floors.py)."""
     n = x.shape[0]
     return project(x) if n >= rows else project(F.pad(x, (0, 0, 0, rows - n)))[:n]
 
@@ -139,7 +139,7 @@ class Linear(nn.Module):
         self.compute_dtype = dtype
         self.impl = "linear"  # the autotuner may choose another implementation
         self.pad_limit = 0  # rows padded up to this many (CPU, bfloat16; see padded_rows): Llama.warm_rows
-        self.min_rows = 0  # GPU decoding: rows padded to at least this many (engine/row_floors.py)
+        self.min_rows = 0  # GPU decoding: rows padded to at least this many (engine/worker/row_floors.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.min_rows:
@@ -163,7 +163,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.empty(dim, dtype=dtype))
         self.eps = eps
-        self.min_rows = 0  # GPU decoding: rows padded to at least this many (engine/row_floors.py)
+        self.min_rows = 0  # GPU decoding: rows padded to at least this many (engine/worker/row_floors.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return at_least_rows(x, self._norm, self.min_rows) if self.min_rows else self._norm(x)
@@ -410,7 +410,7 @@ class Llama(nn.Module):
         the logits of each row's final position, (B, vocab) or (vocab,) for one sequence, or of
         every position with ``all_positions`` (speculative verification), (B, T, vocab) or (T, vocab).
         ``slots`` may be a device tensor and ``last`` one position (1,) whose logits to return instead
-        of the final one's, for one prompt padded to a fixed length (a CUDA graph, engine/gpu_steps.py).
+        of the final one's, for one prompt padded to a fixed length (a CUDA graph, engine/worker/gpu_steps.py).
         """
         s = self.shape
         one = isinstance(start, int)
@@ -446,7 +446,7 @@ class Llama(nn.Module):
         ``positions`` (rows,) are each slot's last token and its position (for an idle slot, one that no
         sequence reads before writing it: see Tile).
         Out: logits (rows, vocab), float32. Only tensor operations on fixed shapes: a CUDA graph can
-        hold it (engine/gpu_steps.py)."""
+        hold it (engine/worker/gpu_steps.py)."""
         s = self.shape
         tile.place(positions)
         x = F.embedding(tokens, self.embed.weight)  # (rows, hidden)
@@ -461,9 +461,9 @@ class Tile:
     keys ``0..length-1`` of their own slot (a view of the cache, no copy), the keys past each row's
     position masked. Rows are slots, so an idle slot is a row too (it writes its slot's last position,
     which every sequence writes itself before reading it). ``rows`` is a bucket of the slots in use
-    (engine/gpu_steps.py); every kernel gives a row the same result at every bucket, or runs padded to
+    (engine/worker/gpu_steps.py); every kernel gives a row the same result at every bucket, or runs padded to
     the rows from which it does (``attn_rows`` for attention, which then reads that many slots:
-    engine/row_floors.py), so a row's result never depends on the others: the same tokens alone and
+    engine/worker/row_floors.py), so a row's result never depends on the others: the same tokens alone and
     in a batch (the kernels are chosen by shape)."""
 
     def __init__(self, first: int, rows: int, length: int, device, attn_rows: int = 0):

@@ -26,7 +26,7 @@ def _patch(module) -> None:
 
 class _PatchRunner(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "wcache.engine.runner":
+        if name != "wcache.engine.worker.runner":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

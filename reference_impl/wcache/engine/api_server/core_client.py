@@ -1,0 +1,279 @@
+"""The front process's view of its engine core (vLLM V1's EngineCoreClient): the part of ``Engine``'s
+surface the HTTP layer uses, served by another process (engine/core/core_proc.py).
+
+``pieces()`` tokenizes the prompt here, sends an ``AddRequest`` and yields text (textstream.py:
+detokenizing, stop strings) from the token ids the core sends back; closing the generator, a stop
+string or a client gone sends an ``AbortRequest``. One reader thread takes the core's frames and
+puts each request's tokens in its queue; a request more than STREAM_BUFFER_TOKENS behind (a client
+that stopped reading) is ended here (``overflow``), and the core is told to free its slot: the core's
+step loop never waits for anyone. No torch in this module or anything it imports.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from wcache.engine.core.completion import (
+    STREAM_BUFFER_TOKENS,
+    Completion,
+    _End,
+    read_completion,
+)
+from wcache.engine.core.core_messages import (
+    AbortRequest,
+    AddRequest,
+    ChannelError,
+    Planned,
+    Proceed,
+    QueueFullError,
+    Ready,
+    Shutdown,
+    Start,
+    Status,
+    StepOutputs,
+    Unhealthy,
+    front_channel,
+    prompt_scores_of,
+    sampled_of,
+    sampling_of,
+)
+from wcache.engine.worker.sampling_params import GREEDY, SamplingParams
+from wcache.engine.core.scheduler import QueueFull
+from wcache.engine.core.textstream import TextStream
+from wcache.errors import (
+    CORE_EXITED,
+    CORE_FAILED,
+    STREAM_OVERFLOW,
+    TEXT_WITHOUT_TOKENIZER,
+)
+
+log = logging.getLogger("wcache.engine")
+
+STOP_WAIT_S = 90.0  # the core's engine.close() waits up to 60 s for its step, then stops the ranks
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """What the HTTP layer reads of ``engine.cfg``."""
+
+    device: str
+    hf: dict = field(default_factory=dict)
+
+
+def spawn_core(args) -> tuple[subprocess.Popen, socket.socket]:
+    """The engine core process, told ``args`` (`wcache serve`'s flags), and this end of its channel."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.core.core_proc", str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    flags = {k: v for k, v in vars(args).items() if k != "api_key"}  # the key stays in the front
+    front_channel(mine).send(Start(flags))
+    return proc, mine
+
+
+class EngineCoreClient:
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, tokenizer, stop_ids: frozenset[int]):
+        self.proc = proc
+        self.channel = front_channel(sock)
+        self.tokenizer, self.stop_ids = tokenizer, stop_ids
+        self.closed = self.dead = False
+        self.on_death = None  # called (on the reader thread) once the core is gone unasked
+        self._ids = itertools.count(1)
+        self._boxes: dict[int, queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        self._running = self._waiting = 0
+        self._alive: float | None = None
+        self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
+
+    # -- start-up (the front's main thread) ------------------------------------------------------
+    def planned(self) -> Planned | None:
+        """The core's first word (whether this node serves HTTP); None if it exited first."""
+        return self._first(Planned)
+
+    def proceed(self) -> None:
+        """Let the core load (after Planned, once the port is held)."""
+        self.channel.send(Proceed())
+
+    def wait_ready(self) -> Ready | None:
+        """Blocks until the core has loaded (its Ready); None if it exited first. Then the reader runs."""
+        ready = self._first(Ready)
+        if ready is None:
+            return None
+        self.ready_info = ready
+        self.max_model_len, self.max_num_seqs, self.has_draft = ready.max_model_len, ready.max_num_seqs, ready.has_draft
+        self.cfg = CoreConfig(ready.device, {"vocab_size": ready.vocab_size})
+        self.report, self.load_format = ready.report, ready.load_format
+        threading.Thread(target=self._read, name="wcache-core-reader", daemon=True).start()
+        return ready
+
+    def _first(self, kind):
+        try:
+            msg = self.channel.recv()
+        except ChannelError as e:
+            log.error("%s", e)
+            msg = None
+        if msg is None or not isinstance(msg, kind):
+            if msg is not None:
+                log.error("The engine core sent %s before %s", type(msg).__name__, kind.__name__)
+            return None
+        return msg
+
+    def exit_code(self) -> int:
+        """The core's exit status once it has ended (at least 1 if it ended on its own)."""
+        code = self.proc.wait()
+        return code if code > 0 else 1
+
+    # -- what the HTTP layer reads ---------------------------------------------------------------
+    def num_requests_running(self) -> int:
+        return self._running
+
+    def num_requests_waiting(self) -> int:
+        return self._waiting
+
+    def daemon_alive(self) -> float | None:
+        return self._alive
+
+    # -- a request's thread ----------------------------------------------------------------------
+    def generate(self, prompt, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(), on_text=None,
+                 queued=None, skip_special_tokens: bool = True, **stopping) -> Completion:
+        """As Engine.generate."""
+        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens, **stopping)
+        try:
+            piece = next(pieces)
+            while True:
+                piece = pieces.send(bool(on_text(piece)) if on_text is not None else False)
+        except StopIteration as done:
+            return done.value
+
+    def pieces(self, prompt, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(), queued=None,
+               skip_special_tokens: bool = True, stop_token_ids=(), ignore_eos: bool = False,
+               include_stop: bool = False):
+        """As Engine.pieces: yields each new piece of final text; ``send(True)`` stops the request."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError(TEXT_WITHOUT_TOKENIZER)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if self.closed or self.dead:
+            raise RuntimeError("the engine is stopping")
+        own_stops = frozenset(stop_token_ids)
+        stop_ids = own_stops if ignore_eos else self.stop_ids | own_stops
+        held = self.stop_ids | own_stops  # min_tokens holds back every stop id, as Engine.pieces binds it
+        rid, box = next(self._ids), queue.SimpleQueue()
+        with self._lock:
+            self._boxes[rid] = box
+        try:
+            self.channel.send(AddRequest(rid, ids, max_tokens, sampling_of(sampling), sorted(stop_ids), sorted(held)))
+        except OSError:
+            self._forget(rid)
+            raise RuntimeError(CORE_FAILED.format(code=self.proc.poll())) from None
+        if queued is not None:
+            queued()
+
+        def get():
+            item = box.get()
+            if isinstance(item, QueueFull):
+                raise item
+            return item
+
+        text = TextStream(self.tokenizer.stream(skip_special_tokens) if self.tokenizer else None, stop,
+                          include_stop, sampling.min_tokens)
+        eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        try:
+            return (yield from read_completion(get, lambda: self._abort(rid), ids, stop_ids, own_stops, eos, text,
+                                               sampling.logprobs is not None))
+        finally:
+            self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        with self._lock:
+            self._boxes.pop(rid, None)
+
+    def _abort(self, rid: int) -> None:
+        self._forget(rid)
+        if not self.dead:
+            try:
+                self.channel.send(AbortRequest(rid))
+            except OSError:
+                pass  # the core is gone: the reader says so
+
+    # -- the reader thread -------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.channel.recv()
+                if msg is None:
+                    break
+                if isinstance(msg, StepOutputs):
+                    self._running, self._waiting = msg.running, msg.waiting
+                    self._deliver(msg)
+                elif isinstance(msg, Status):
+                    self._running, self._waiting, self._alive = msg.running, msg.waiting, msg.daemon_alive
+                elif isinstance(msg, QueueFullError):
+                    with self._lock:
+                        box = self._boxes.get(msg.id)
+                    if box is not None:
+                        box.put(QueueFull(msg.waiting, msg.limit))
+                elif isinstance(msg, Unhealthy) and self.on_unhealthy is not None:
+                    self.on_unhealthy()
+        except ChannelError as e:
+            log.error("%s", e)
+        self._gone()
+
+    def _deliver(self, msg: StepOutputs) -> None:
+        for o in msg.outputs:
+            with self._lock:
+                box = self._boxes.get(o.id)
+            if box is None:
+                continue  # aborted here already
+            if o.prompt_scores is not None:
+                box.put(prompt_scores_of(o.prompt_scores))
+            for tok in o.tokens:
+                if box.qsize() >= STREAM_BUFFER_TOKENS:  # its reader is that far behind
+                    log.warning(STREAM_OVERFLOW.format(limit=STREAM_BUFFER_TOKENS))
+                    self._abort(o.id)
+                    box.put(_End("overflow"))
+                    break
+                box.put(sampled_of(tok))
+            else:
+                if o.finished is not None:
+                    box.put(_End(o.finished, RuntimeError(o.error) if o.error else None))
+
+    def _gone(self) -> None:
+        """The channel closed: a core we stopped, or one that died."""
+        self.dead = True
+        if self.closed:
+            return
+        code = self.proc.wait()
+        log.error(CORE_EXITED.format(pid=self.proc.pid, code=code))
+        error = RuntimeError(CORE_FAILED.format(code=code))
+        with self._lock:
+            boxes, self._boxes = list(self._boxes.values()), {}
+        for box in boxes:
+            box.put(_End("error", error))
+        if self.on_death is not None:
+            self.on_death()
+
+    # -- the end -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the core (after the drain): it aborts what still runs, stops its ranks and exits."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.dead:
+            try:
+                self.channel.send(Shutdown())
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.error("The engine core (pid %d) did not stop in %.0f s: killed", self.proc.pid, STOP_WAIT_S)
+            self.proc.kill()
+            self.proc.wait()
+        self.channel.close()
