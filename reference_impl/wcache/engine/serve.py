@@ -16,7 +16,6 @@ from wcache.core.settings import from_flags
 from wcache.engine.core.engine import Engine, rank_specs
 from wcache.engine.worker.runner import RankRunner
 from wcache.engine.core.settings import EngineSettings
-from wcache.errors import ENGINE_DEAD
 
 log = logging.getLogger("wcache.engine")
 
@@ -33,7 +32,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     """
     from wcache.engine.api_server.served import ServedModel
     from wcache.engine.api_server.server import EngineServer, run_until_signal
-    from wcache.engine.worker.supervisor import Supervisor
+    from wcache.engine.worker.supervisor import start_local_ranks
 
     # The engine's part of the flags as typed settings; the HTTP side still reads ``args`` (see settings.py).
     plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
@@ -49,23 +48,8 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
         served.log_found()
-    supervisor = Supervisor(specs[1:], server)
-    try:
-        runner.finish() if prepared is not None else runner.start()
-    except BaseException:
-        supervisor.abort()
-        if server is not None:
-            server.server_close()
-        raise
-    supervisor.started_ok = True
-    if not plan.drives:
-        from wcache.engine.worker.runner import serve_requests
-
-        log.info("Engine node %d ready: %d rank(s) follow engine rank 0 at %s", plan.layout.node_rank,
-                 len(specs), plan.init_method)
-        code = serve_requests(runner)
-        supervisor.stop()
-        exit_after_collectives(code)
+    supervisor = start_local_ranks(runner, specs, plan, server, runner.finish if prepared is not None else runner.start,
+                                   on_fail=server.server_close if server is not None else None)
     engine = Engine(runner, served.tokenizer, served.stop_ids)
 
     def on_stop() -> None:
@@ -83,11 +67,7 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     if on_ready is not None:
         on_ready(engine, server)
     run_until_signal(server, on_stop=on_stop)
-    code = 0
-    if engine.failure is not None:
-        log.error(ENGINE_DEAD.format(error=str(engine.failure).splitlines()[0] if str(engine.failure) else
-                                     type(engine.failure).__name__))
-        code = 1
+    code = engine.exit_code()
     log.info("Engine stopped")
     if runner.world.size > 1:
         exit_after_collectives(code)  # past gloo's teardown, which may abort once peers are gone

@@ -24,7 +24,9 @@ from wcache.engine.core.completion import (
     STREAM_BUFFER_TOKENS,
     Completion,
     _End,
+    drive,
     read_completion,
+    stop_sets,
 )
 from wcache.engine.core.core_messages import (
     AbortRequest,
@@ -144,13 +146,7 @@ class EngineCoreClient:
     def generate(self, prompt, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(), on_text=None,
                  queued=None, skip_special_tokens: bool = True, **stopping) -> Completion:
         """As Engine.generate."""
-        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens, **stopping)
-        try:
-            piece = next(pieces)
-            while True:
-                piece = pieces.send(bool(on_text(piece)) if on_text is not None else False)
-        except StopIteration as done:
-            return done.value
+        return drive(self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens, **stopping), on_text)
 
     def pieces(self, prompt, max_tokens: int, sampling: SamplingParams = GREEDY, stop=(), queued=None,
                skip_special_tokens: bool = True, stop_token_ids=(), ignore_eos: bool = False,
@@ -161,9 +157,7 @@ class EngineCoreClient:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if self.closed or self.dead:
             raise RuntimeError("the engine is stopping")
-        own_stops = frozenset(stop_token_ids)
-        stop_ids = own_stops if ignore_eos else self.stop_ids | own_stops
-        held = self.stop_ids | own_stops  # min_tokens holds back every stop id, as Engine.pieces binds it
+        own_stops, stop_ids, held = stop_sets(self.stop_ids, stop_token_ids, ignore_eos)
         rid, box = next(self._ids), queue.SimpleQueue()
         with self._lock:
             self._boxes[rid] = box

@@ -102,3 +102,22 @@ def read_completion(get, cancel, prompt_ids: list[int], stop_ids: frozenset[int]
     finish = finish_reason(end, text.stopped, out, stop_ids)
     return Completion(text.text, out, finish, stop_reason(text.stop_reason, finish, out, own_stops, eos),
                       len(prompt_ids), first_at, tuple(scores), prompt_scores, tuple(prompt_ids))
+
+
+def stop_sets(checkpoint_stops: frozenset[int], stop_token_ids, ignore_eos: bool):
+    """(the request's own stop ids, the ids that end it, the ids min_tokens holds back), as vLLM
+    reads stop_token_ids and ignore_eos: ignore_eos drops the checkpoint's EOS ids from the ends,
+    and min_tokens holds back every stop id, the EOS ones too (vLLM's _all_stop_token_ids)."""
+    own = frozenset(stop_token_ids)
+    return own, own if ignore_eos else checkpoint_stops | own, checkpoint_stops | own
+
+
+def drive(pieces, on_text=None) -> Completion:
+    """Run a ``pieces()`` generator to its Completion, telling ``on_text(piece)`` each piece; its
+    True stops the request (a client gone)."""
+    try:
+        piece = next(pieces)
+        while True:
+            piece = pieces.send(bool(on_text(piece)) if on_text is not None else False)
+    except StopIteration as done:
+        return done.value

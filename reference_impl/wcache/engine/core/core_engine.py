@@ -45,8 +45,8 @@ from wcache.engine.worker.runner import RankRunner
 from wcache.engine.worker.sampling import Sampler
 from wcache.engine.core.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
 from wcache.engine.core.settings import EngineSettings
-from wcache.engine.worker.supervisor import Supervisor
-from wcache.errors import ENGINE_DEAD, FRONT_GONE
+from wcache.engine.worker.supervisor import Supervisor, start_local_ranks
+from wcache.errors import FRONT_GONE
 
 log = logging.getLogger("wcache.engine")
 
@@ -259,21 +259,7 @@ def run_core(args, loader_config, channel) -> int:
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
                  plan.layout.describe(), len(specs), plan.world_size, plan.init_method)
-    supervisor = core.supervisor = Supervisor(specs[1:], _FrontHealth(core))
-    try:
-        runner.start()
-    except BaseException:
-        supervisor.abort()
-        raise
-    supervisor.started_ok = True
-    if not plan.drives:
-        from wcache.engine.worker.runner import serve_requests
-
-        log.info("Engine node %d ready: %d rank(s) follow engine rank 0 at %s", plan.layout.node_rank,
-                 len(specs), plan.init_method)
-        code = serve_requests(runner)
-        supervisor.stop()
-        exit_after_collectives(code)
+    supervisor = core.supervisor = start_local_ranks(runner, specs, plan, _FrontHealth(core), runner.start)
     engine = CoreEngine(runner, core)
     engine.scheduler.wait_arrived = core.wait_arrived
     core.engine = engine
@@ -290,11 +276,7 @@ def run_core(args, loader_config, channel) -> int:
     supervisor.stopping = True
     engine.close()
     supervisor.stop()
-    code = 0
-    if engine.failure is not None:
-        log.error(ENGINE_DEAD.format(error=str(engine.failure).splitlines()[0] if str(engine.failure) else
-                                     type(engine.failure).__name__))
-        code = 1
+    code = engine.exit_code()
     log.info("Engine core stopped")
     if runner.world.size > 1:
         exit_after_collectives(code)

@@ -21,7 +21,7 @@ import torch
 from wcache.core.config import EngineConfig
 from wcache.core.ranks import SPEC_SOCKET_PATH, check_draft, plan_engine
 from wcache.core.speculative import CACHED_DRAFT_METHODS, parse_speculative_config
-from wcache.engine.core.completion import STREAM_BUFFER_TOKENS, Completion, _End, read_completion
+from wcache.engine.core.completion import STREAM_BUFFER_TOKENS, Completion, _End, drive, read_completion, stop_sets
 from wcache.engine.worker.logprobs import score_prompt
 from wcache.engine.worker.loop_thread import LoopThread
 from wcache.engine.worker.outputs import Sampled
@@ -45,7 +45,7 @@ from wcache.engine.core.settings import EngineSettings
 from wcache.engine.core.step_clock import StepClock
 from wcache.engine.core.textstream import TextStream
 from wcache.engine.worker.world import LOST_PEERS
-from wcache.errors import STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
+from wcache.errors import ENGINE_DEAD, STREAM_OVERFLOW, TEXT_WITHOUT_TOKENIZER, MaxModelLenError, ParallelConfigError
 from wcache.model import generation_config
 from wcache.model.tokenizer import Tokenizer
 
@@ -169,13 +169,7 @@ class Engine:
         returns True to stop early (a streaming client went away): the sequence then leaves the
         batch before the next step. ``queued()`` is called once the request is in the scheduler's
         queue. Raises ``QueueFull`` when ``--max-waiting-requests`` wait. ``stopping``: ``pieces``'s."""
-        pieces = self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens, **stopping)
-        try:
-            piece = next(pieces)
-            while True:
-                piece = pieces.send(bool(on_text(piece)) if on_text is not None else False)
-        except StopIteration as done:
-            return done.value
+        return drive(self.pieces(prompt, max_tokens, sampling, stop, queued, skip_special_tokens, **stopping), on_text)
 
     def pieces(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams = GREEDY, stop=(),
                queued=None, skip_special_tokens: bool = True, stop_token_ids=(), ignore_eos: bool = False,
@@ -190,11 +184,9 @@ class Engine:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError(TEXT_WITHOUT_TOKENIZER)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        own_stops = frozenset(stop_token_ids)
-        stop_ids = own_stops if ignore_eos else self.stop_ids | own_stops
+        own_stops, stop_ids, held = stop_sets(self.stop_ids, stop_token_ids, ignore_eos)
         seq = Sequence(ids, max_tokens, Sampler(sampling.seeded()), stop_ids)
-        # min_tokens holds back every stop id, the EOS ones even with ignore_eos (vLLM's _all_stop_token_ids)
-        seq.sampler.bind(seq.prompt, seq.out, self.stop_ids | own_stops)
+        seq.sampler.bind(seq.prompt, seq.out, held)  # min_tokens holds back every stop id (completion.stop_sets)
         if self.closed:
             raise RuntimeError("the engine is stopping")
         self.scheduler.add(seq)
@@ -349,6 +341,14 @@ class Engine:
         if self.runner.draft is not None:
             log.info("Speculative decoding (%s): accepted %d of %d draft tokens", self.runner.draft_spec["method"],
                      seq.spec[1], seq.spec[0])
+
+    def exit_code(self) -> int:
+        """The serve's exit status once it stopped: 1, with ENGINE_DEAD's line, if the loop failed."""
+        if self.failure is None:
+            return 0
+        log.error(ENGINE_DEAD.format(error=str(self.failure).splitlines()[0] if str(self.failure) else
+                                     type(self.failure).__name__))
+        return 1
 
     def close(self) -> None:
         with self._close_lock:

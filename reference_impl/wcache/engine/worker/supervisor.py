@@ -87,3 +87,28 @@ class Supervisor(threading.Thread):
         """After rank 0 told them to stop: wait for them, then make sure."""
         self.stopping = True
         stop_workers(self.procs)
+
+
+def start_local_ranks(runner, specs: list[dict], plan, health, start, on_fail=None) -> Supervisor:
+    """Start this node's other ranks (watched, a dead one turning ``health.ready`` to False) while
+    ``start()`` starts rank 0's own; on a node that does not drive the engine, follow rank 0 until
+    it says stop, then exit. ``on_fail`` runs if ``start`` raises (the ranks are stopped first)."""
+    from wcache.core.distributed import exit_after_collectives
+    from wcache.engine.worker.runner import serve_requests
+
+    supervisor = Supervisor(specs[1:], health)
+    try:
+        start()
+    except BaseException:
+        supervisor.abort()
+        if on_fail is not None:
+            on_fail()
+        raise
+    supervisor.started_ok = True
+    if not plan.drives:
+        log.info("Engine node %d ready: %d rank(s) follow engine rank 0 at %s", plan.layout.node_rank,
+                 len(specs), plan.init_method)
+        code = serve_requests(runner)
+        supervisor.stop()
+        exit_after_collectives(code)
+    return supervisor
