@@ -209,6 +209,7 @@ class EngineCore:
         engine = self.engine
         seq = Sequence(msg.prompt_token_ids, msg.max_tokens, Sampler(params_of(msg.sampling).seeded()),
                        frozenset(msg.stop_token_ids))
+        seq.replay.extend(msg.output_token_ids)  # a resumed request (front_failover.py): its tokens so far
         seq.sampler.bind(seq.prompt, seq.out, frozenset(msg.held_token_ids))  # as Engine.pieces binds it
         seq.outbox = _Outbox(self, msg.id)
         self._seqs[msg.id] = seq
