@@ -14,6 +14,7 @@ import time
 from http.client import HTTPConnection
 
 import pytest
+from itest import run_cli
 from procs import http
 
 ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -156,3 +157,11 @@ def test_a_chat_stream_and_a_whole_answer_in_flight_complete_counting_tokens_onc
     assert status == 200, body
     assert body["choices"][0]["text"] == plain_ref["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == LONG
+
+
+def test_more_than_one_rank_is_refused_naming_the_flag(tiny_model, wcache_env):
+    r = run_cli("serve", str(tiny_model), "--device", "cpu", "--respawn", "--tensor-parallel-size", "2",
+                env={**wcache_env, **ON})
+    assert r.returncode == 2, r.stderr
+    assert "--respawn supports an engine of one rank; this one has 2 ranks (" in r.stderr, r.stderr
+    assert "Spare engine core" not in r.stderr  # refused before any spare started

@@ -45,7 +45,7 @@ from wcache.engine.sampling import Sampler
 from wcache.engine.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
 from wcache.engine.settings import EngineSettings
 from wcache.engine.supervisor import Supervisor
-from wcache.errors import ENGINE_DEAD, FRONT_GONE
+from wcache.errors import ENGINE_DEAD, FRONT_GONE, RespawnError
 
 log = logging.getLogger("wcache.engine")
 
@@ -251,6 +251,8 @@ def run_core(args, loader_config, channel) -> int:
     core = EngineCore(channel)
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
     plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
+    if getattr(args, "respawn", False) and plan.world_size > 1:  # spares and resumes are one rank's (front_failover.py)
+        raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
     core.send(Planned(plan.drives))
     # Nothing loads before the front holds its port: a port already taken stays its one line, and
     # the front ends this process before it has printed anything.
