@@ -470,6 +470,8 @@ CORE_FAILED = "the engine core exited (status {code})"  # each request in flight
 # `wcache serve --respawn` as a front and engine cores (engine/front_failover.py)
 CORE_PROMOTED = ("Engine core pid {pid} promoted {ms:.1f} ms after engine core pid {dead} died ({cause}); the "
                  "requests in flight resume on it")
+CORE_HUNG = ("Engine core pid {pid} hung: no frame for {seconds:.1f} s with requests in flight "
+             "(--respawn-heartbeat-timeout {timeout:g}); killing it with SIGKILL")
 CORE_SPARE_READY = "Spare engine core pid {pid} ready"
 CORE_SPARE_FAILED = "Spare engine core pid {pid} exited before it was ready ({cause}); {n} in a row (giving up at {limit})"
 CORE_GAVE_UP = ("Engine core pid {pid} died ({cause}), the {n}th death within {stable:g} s of the last promotion: "

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -96,6 +97,7 @@ class EngineCoreClient:
         # reaches the dead core or the new one, never both and never neither.
         self._swap = threading.RLock()
         self.failover = None  # front_failover.Failover with --respawn
+        self.heard = time.monotonic()  # the core's last frame (its heartbeat while requests run)
         self._running = self._waiting = 0
         self._alive: float | None = None
         self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
@@ -139,6 +141,10 @@ class EngineCoreClient:
         return code if code > 0 else 1
 
     # -- what the HTTP layer reads ---------------------------------------------------------------
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._asks)
+
     def num_requests_running(self) -> int:
         return self._running
 
@@ -223,6 +229,7 @@ class EngineCoreClient:
                 msg = channel.recv()
                 if msg is None:
                     break
+                self.heard = time.monotonic()
                 if isinstance(msg, StepOutputs):
                     self._running, self._waiting = msg.running, msg.waiting
                     self._deliver(msg)
@@ -286,6 +293,7 @@ class EngineCoreClient:
         handed on (it runs them as context and goes on), and its frames are read from now on."""
         with self._swap:
             old, self.proc, self.channel = self.channel, core.proc, core.channel
+            self.heard = time.monotonic()
             with self._lock:
                 asks = list(self._asks.items())
             for rid, (add, got) in asks:

@@ -40,6 +40,7 @@ from wcache.engine.core_messages import (
     token_of,
 )
 from wcache.engine.engine import Engine, rank_specs
+from wcache.engine.respawn import BEAT_S
 from wcache.engine.runner import RankRunner
 from wcache.engine.sampling import Sampler
 from wcache.engine.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
@@ -236,14 +237,17 @@ class EngineCore:
         return False
 
     def report_status(self) -> None:
-        """The gauges the front's /metrics shows, sent when they change."""
-        last = None
+        """The gauges the front's /metrics shows, sent when they change, and every BEAT_S while
+        requests run: the heartbeat by which a --respawn front tells a stopped core from a busy one
+        (front_failover.py). An idle core, a spare among them, stays quiet."""
+        last, sent = None, 0.0
         while not self.stopping.wait(STATUS_INTERVAL_S):
             engine = self.engine
             now = (engine.num_requests_running(), engine.num_requests_waiting(), engine.daemon_alive())
-            if now != last:
+            busy = now[0] or now[1]
+            if now != last or (busy and time.monotonic() - sent >= BEAT_S):
                 self.send(Status(*now))
-                last = now
+                last, sent = now, time.monotonic()
 
 
 def run_core(args, loader_config, channel) -> int:

@@ -77,6 +77,7 @@ def run_front(args) -> int:
 
         client.failover = Failover(args, spawn_core)
         client.failover.start_spare()
+        client.failover.watch(client, args.respawn_heartbeat_timeout)
     log.info("Engine ready (pid %d, engine core pid %d): POST http://%s:%d/v1/completions", os.getpid(), ready.pid,
              args.host, args.port)
     run_until_signal(server, on_stop=client.close)

@@ -17,14 +17,36 @@ requests in flight fail and it exits with the core's status, as without --respaw
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 
-from wcache.engine.core_messages import ChannelError, Planned, Proceed, Ready, Shutdown, front_channel
-from wcache.engine.respawn import BACKOFF_MAX_S, BACKOFF_S, MAX_DEATHS, SPARE_DELAY_S, STABLE_S, cause
-from wcache.errors import CORE_GAVE_UP, CORE_PROMOTED, CORE_SPARE_FAILED, CORE_SPARE_READY
+from wcache.engine.core_messages import (
+    ChannelError,
+    Planned,
+    Proceed,
+    Ready,
+    Shutdown,
+    front_channel,
+)
+from wcache.engine.respawn import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    BEAT_S,
+    MAX_DEATHS,
+    SPARE_DELAY_S,
+    STABLE_S,
+    cause,
+)
+from wcache.errors import (
+    CORE_GAVE_UP,
+    CORE_HUNG,
+    CORE_PROMOTED,
+    CORE_SPARE_FAILED,
+    CORE_SPARE_READY,
+)
 
 log = logging.getLogger("wcache.engine")
 
@@ -123,6 +145,21 @@ class Failover:
                                          ms=(time.monotonic() - now) * 1e3))
         self.start_spare(SPARE_DELAY_S)
         return core
+
+    # -- a stopped or hung core (its channel stays open) -------------------------------------------
+    def watch(self, client, timeout: float) -> None:
+        """Kill the serving core once it has sent nothing for ``timeout`` while requests are in
+        flight (a busy core beats every BEAT_S, core_engine.report_status): its channel then closes
+        and the spare takes over as after a crash."""
+        def run() -> None:
+            while not self.closed:
+                time.sleep(BEAT_S)
+                silent, proc = time.monotonic() - client.heard, client.proc
+                if silent > timeout and client.in_flight() and proc.poll() is None and not client.closed:
+                    log.error(CORE_HUNG.format(pid=proc.pid, seconds=silent, timeout=timeout))
+                    proc.send_signal(signal.SIGKILL)
+                    client.heard = time.monotonic()  # once per silence
+        threading.Thread(target=run, name="wcache-core-watch", daemon=True).start()
 
     # -- the end ---------------------------------------------------------------------------------
     def close(self) -> None:
