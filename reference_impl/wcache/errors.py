@@ -474,8 +474,8 @@ CORE_HUNG = ("Engine core pid {pid} hung: no frame for {seconds:.1f} s with requ
              "(--respawn-heartbeat-timeout {timeout:g}); killing it with SIGKILL")
 CORE_SPARE_READY = "Spare engine core pid {pid} ready"
 CORE_SPARE_FAILED = "Spare engine core pid {pid} exited before it was ready ({cause}); {n} in a row (giving up at {limit})"
-CORE_GAVE_UP = ("Engine core pid {pid} died ({cause}), the {n}th death within {stable:g} s of the last promotion: "
-                "giving up")
+CORE_GAVE_UP = ("Engine core pid {pid} died ({cause}): {n} deaths in a row, each within {stable:g} s of the "
+                "promotion before it; giving up")
 FRONT_GONE = "The front process is gone (its channel closed): the engine core stops"
 FRAME_MALFORMED = "malformed frame on the engine core channel: {error}"
 FRAME_TOO_BIG = "frame of {size} bytes on the engine core channel; the limit is {limit}"

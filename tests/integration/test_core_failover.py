@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from itest import run_cli, wait_until
 from procs import http
+from wcache.engine.respawn import MAX_DEATHS, STABLE_S
 
 ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
 READY = re.compile(r"Engine ready \(pid (\d+), engine core pid (\d+)\)")
@@ -180,6 +181,19 @@ def test_a_stopped_core_is_killed_at_the_heartbeat_bound_and_its_stream_resumes(
     assert hung and int(hung[-1][0]) == pid, engine.log()[-2000:]
     assert HEARTBEAT_TIMEOUT_S <= float(hung[-1][1]) < took
     assert serving_core(engine) != pid
+
+
+def test_repeated_deaths_give_up_and_the_front_exits_1(procs, tiny_model):
+    e = procs.serve(tiny_model, "--max-model-len", "64", "--respawn", env=ON).wait_for_log("Engine ready")
+    e.first_core = int(READY.search(e.log()).group(2))
+    for _ in range(MAX_DEATHS + 1):  # each soon after the promotion before it
+        wait_spare(e)
+        kill_serving_core(e)
+        e.wait_for(lambda: e.proc.poll() is not None or len(PROMOTED.findall(e.log())) > _, 60, "a promotion")
+    assert e.exit_code(timeout=60) == 1, e.log()[-2000:]
+    assert f"{MAX_DEATHS + 1} deaths in a row, each within {STABLE_S:g} s of the promotion before it; giving up" \
+        in e.log()
+    assert len(PROMOTED.findall(e.log())) == MAX_DEATHS
 
 
 def test_more_than_one_rank_is_refused_naming_the_flag(tiny_model, wcache_env):

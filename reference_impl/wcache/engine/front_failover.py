@@ -69,7 +69,8 @@ class Failover:
         self._starting: subprocess.Popen | None = None
         self._cv = threading.Condition()
         self._failed = 0  # spares in a row that never said Ready
-        self._deaths: list[float] = []  # the promotions of the deaths in a row
+        self._row = 0  # deaths in a row: each within STABLE_S of the promotion before it
+        self._promoted_at: float | None = None
         self.closed = self.gave_up = False
 
     # -- spares ----------------------------------------------------------------------------------
@@ -128,9 +129,10 @@ class Failover:
         """The spare to serve in place of the dead core (waiting for it if it still loads), or None
         once the front gives up."""
         now = time.monotonic()
-        self._deaths = [t for t in self._deaths if now - t < STABLE_S] + [now]
-        if len(self._deaths) > MAX_DEATHS:
-            log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(code), n=len(self._deaths), stable=STABLE_S))
+        soon = self._promoted_at is not None and now - self._promoted_at < STABLE_S
+        self._row = self._row + 1 if soon else 1
+        if self._row > MAX_DEATHS:
+            log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(code), n=self._row, stable=STABLE_S))
             return None
         with self._cv:
             while self.spare is None and not (self.gave_up or self.closed):
@@ -141,6 +143,7 @@ class Failover:
             core, self.spare = self.spare, None
         if core is None:
             return None
+        self._promoted_at = time.monotonic()
         log.warning(CORE_PROMOTED.format(pid=core.proc.pid, dead=dead_pid, cause=cause(code),
                                          ms=(time.monotonic() - now) * 1e3))
         self.start_spare(SPARE_DELAY_S)
