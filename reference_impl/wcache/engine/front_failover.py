@@ -131,7 +131,7 @@ class Failover:
         now = time.monotonic()
         soon = self._promoted_at is not None and now - self._promoted_at < STABLE_S
         self._row = self._row + 1 if soon else 1
-        if self._row > MAX_DEATHS:
+        if self._row >= MAX_DEATHS:  # the MAX_DEATHS-th in a row, as respawn.py counts
             log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(code), n=self._row, stable=STABLE_S))
             return None
         with self._cv:
