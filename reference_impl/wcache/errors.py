@@ -467,6 +467,15 @@ DRAINED = "Drained in {seconds:.1f} s"
 CORE_EXITED = ("The engine core (pid {pid}) exited with status {code}; the requests in flight fail and /health "
                "answers 503")
 CORE_FAILED = "the engine core exited (status {code})"  # each request in flight: "the engine failed: ..."
+# `wcache serve --respawn` as a front and engine cores (engine/api_server/front_failover.py)
+CORE_PROMOTED = ("Engine core pid {pid} promoted {ms:.1f} ms after engine core pid {dead} died ({cause}); the "
+                 "requests in flight resume on it")
+CORE_HUNG = ("Engine core pid {pid} hung: no frame for {seconds:.1f} s with requests in flight "
+             "(--respawn-heartbeat-timeout {timeout:g}); killing it with SIGKILL")
+CORE_SPARE_READY = "Spare engine core pid {pid} ready"
+CORE_SPARE_FAILED = "Spare engine core pid {pid} exited before it was ready ({cause}); {n} in a row (giving up at {limit})"
+CORE_GAVE_UP = ("Engine core pid {pid} died ({cause}): {n} deaths in a row, each within {stable:g} s of the "
+                "promotion before it; giving up")
 FRONT_GONE = "The front process is gone (its channel closed): the engine core stops"
 FRAME_MALFORMED = "malformed frame on the engine core channel: {error}"
 FRAME_TOO_BIG = "frame of {size} bytes on the engine core channel; the limit is {limit}"

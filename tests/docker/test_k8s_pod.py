@@ -85,7 +85,7 @@ def _one(processes: dict, pattern: str) -> int:
 
 #: The steps of a respawn: the pod is Ready and the spare has imported, the serving worker (the
 #: older of the two) is killed, the supervisor logs the respawn, and the pod is Ready.
-RESPAWN_STEPS = ["ready", "log=1:Spare engine worker pid", r"kill-oldest=-m wcache\.engine\.spare",
+RESPAWN_STEPS = ["ready", "log=1:Spare engine worker pid", r"kill-oldest=-m wcache\.engine\.respawn\.spare",
                  "log=1:Respawned: engine worker pid", "ready"]
 
 

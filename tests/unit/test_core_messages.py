@@ -47,6 +47,14 @@ def test_messages_cross_as_they_were_sent(pair):
     assert front.recv() == out
 
 
+def test_a_resumed_request_carries_the_tokens_already_sent(pair):
+    front, core = pair
+    first = AddRequest(7, [1, 2, 3], 16, sampling_of(SamplingParams()), [1])
+    assert first.output_token_ids == []  # a fresh request's default, so older senders still decode
+    front.send(msgspec.structs.replace(first, output_token_ids=[9, 8]))
+    assert core.recv().output_token_ids == [9, 8]
+
+
 def test_the_sampling_struct_is_built_from_sampling_params_fields():
     import dataclasses
 

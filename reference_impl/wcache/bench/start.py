@@ -28,7 +28,7 @@ START_TIMEOUT_S = 1800  # to /health 200, a large checkpoint read from a cold di
 SETTLE_S = 2.0  # after a disk engine stops, before the next timed start
 # The timed engine's program: the command line's own `wcache serve`, with timed_serve.py's timers.
 # The context starts before the command line's modules import, as `wcache serve` starts it.
-_BOOT = ("import time; T0 = time.monotonic(); import sys; from wcache.engine import early_context; "
+_BOOT = ("import time; T0 = time.monotonic(); import sys; from wcache.engine.worker import early_context; "
          "early_context.start(sys.argv[sys.argv.index('serve') + 1:]); from wcache.bench.timed_serve import "
          "serve_timed; from wcache.cli import main; sys.exit(serve_timed(T0, sys.argv[1], sys.argv[2:], main))")
 

@@ -18,7 +18,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from wcache.engine.core.completion import (
     STREAM_BUFFER_TOKENS,
@@ -89,7 +92,14 @@ class EngineCoreClient:
         self.on_death = None  # called (on the reader thread) once the core is gone unasked
         self._ids = itertools.count(1)
         self._boxes: dict[int, queue.SimpleQueue] = {}
+        # id -> (its AddRequest, the token ids handed on so far): what a promoted core resumes it from
+        self._asks: dict[int, tuple[AddRequest, list[int]]] = {}
         self._lock = threading.Lock()
+        # Held while a request is added or aborted, and while a promoted core takes over: a request
+        # reaches the dead core or the new one, never both and never neither.
+        self._swap = threading.RLock()
+        self.failover = None  # front_failover.Failover with --respawn
+        self.heard = time.monotonic()  # the core's last frame (its heartbeat while requests run)
         self._running = self._waiting = 0
         self._alive: float | None = None
         self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
@@ -112,7 +122,7 @@ class EngineCoreClient:
         self.max_model_len, self.max_num_seqs, self.has_draft = ready.max_model_len, ready.max_num_seqs, ready.has_draft
         self.cfg = CoreConfig(ready.device, {"vocab_size": ready.vocab_size})
         self.report, self.load_format = ready.report, ready.load_format
-        threading.Thread(target=self._read, name="wcache-core-reader", daemon=True).start()
+        threading.Thread(target=self._read, args=(self.channel,), name="wcache-core-reader", daemon=True).start()
         return ready
 
     def _first(self, kind):
@@ -133,6 +143,10 @@ class EngineCoreClient:
         return code if code > 0 else 1
 
     # -- what the HTTP layer reads ---------------------------------------------------------------
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._asks)
+
     def num_requests_running(self) -> int:
         return self._running
 
@@ -159,13 +173,17 @@ class EngineCoreClient:
             raise RuntimeError("the engine is stopping")
         own_stops, stop_ids, held = stop_sets(self.stop_ids, stop_token_ids, ignore_eos)
         rid, box = next(self._ids), queue.SimpleQueue()
-        with self._lock:
-            self._boxes[rid] = box
-        try:
-            self.channel.send(AddRequest(rid, ids, max_tokens, sampling_of(sampling), sorted(stop_ids), sorted(held)))
-        except OSError:
-            self._forget(rid)
-            raise RuntimeError(CORE_FAILED.format(code=self.proc.poll())) from None
+        add = AddRequest(rid, ids, max_tokens, sampling_of(sampling), sorted(stop_ids), sorted(held))
+        with self._swap:
+            with self._lock:
+                self._boxes[rid] = box
+                self._asks[rid] = (add, [])
+            try:
+                self.channel.send(add)
+            except OSError:
+                if self.failover is None:  # else the core just died: the promoted one gets it
+                    self._forget(rid)
+                    raise RuntimeError(CORE_FAILED.format(code=self.proc.poll())) from None
         if queued is not None:
             queued()
 
@@ -187,22 +205,25 @@ class EngineCoreClient:
     def _forget(self, rid: int) -> None:
         with self._lock:
             self._boxes.pop(rid, None)
+            self._asks.pop(rid, None)
 
     def _abort(self, rid: int) -> None:
-        self._forget(rid)
-        if not self.dead:
-            try:
-                self.channel.send(AbortRequest(rid))
-            except OSError:
-                pass  # the core is gone: the reader says so
+        with self._swap:
+            self._forget(rid)
+            if not self.dead:
+                try:
+                    self.channel.send(AbortRequest(rid))
+                except OSError:
+                    pass  # the core is gone: the reader says so
 
     # -- the reader thread -------------------------------------------------------------------------
-    def _read(self) -> None:
+    def _read(self, channel) -> None:
         try:
             while True:
-                msg = self.channel.recv()
+                msg = channel.recv()
                 if msg is None:
                     break
+                self.heard = time.monotonic()
                 if isinstance(msg, StepOutputs):
                     self._running, self._waiting = msg.running, msg.waiting
                     self._deliver(msg)
@@ -222,7 +243,7 @@ class EngineCoreClient:
     def _deliver(self, msg: StepOutputs) -> None:
         for o in msg.outputs:
             with self._lock:
-                box = self._boxes.get(o.id)
+                box, ask = self._boxes.get(o.id), self._asks.get(o.id)
             if box is None:
                 continue  # aborted here already
             if o.prompt_scores is not None:
@@ -234,16 +255,24 @@ class EngineCoreClient:
                     box.put(_End("overflow"))
                     break
                 box.put(sampled_of(tok))
+                if ask is not None:
+                    ask[1].append(tok.id)
             else:
                 if o.finished is not None:
                     box.put(_End(o.finished, RuntimeError(o.error) if o.error else None))
 
     def _gone(self) -> None:
         """The channel closed: a core we stopped, or one that died."""
-        self.dead = True
         if self.closed:
+            self.dead = True
             return
         code = self.proc.wait()
+        if self.failover is not None:
+            core = self.failover.promote(self.proc.pid, code)
+            if core is not None:
+                self._take_over(core)
+                return
+        self.dead = True
         log.error(CORE_EXITED.format(pid=self.proc.pid, code=code))
         error = RuntimeError(CORE_FAILED.format(code=code))
         with self._lock:
@@ -253,12 +282,36 @@ class EngineCoreClient:
         if self.on_death is not None:
             self.on_death()
 
+    def _take_over(self, core) -> None:
+        """The promoted core serves: every request in flight is added to it with the tokens already
+        handed on (it runs them as context and goes on), and its frames are read from now on."""
+        with self._swap:
+            old, self.proc, self.channel = self.channel, core.proc, core.channel
+            self.heard = time.monotonic()
+            with self._lock:
+                asks = list(self._asks.items())
+            for rid, (add, got) in asks:
+                if len(got) >= add.max_tokens:  # its last token came, its end did not: it is whole
+                    with self._lock:
+                        box = self._boxes.get(rid)
+                    if box is not None:
+                        box.put(_End("length"))
+                    continue
+                try:
+                    self.channel.send(msgspec.structs.replace(add, output_token_ids=list(got)))
+                except OSError:
+                    break  # this core died too: its reader promotes the next, which gets them all
+            old.close()
+            threading.Thread(target=self._read, args=(self.channel,), name="wcache-core-reader", daemon=True).start()
+
     # -- the end -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the core (after the drain): it aborts what still runs, stops its ranks and exits."""
         if self.closed:
             return
         self.closed = True
+        if self.failover is not None:
+            self.failover.close()
         if not self.dead:
             try:
                 self.channel.send(Shutdown())

@@ -7,7 +7,8 @@ Start-up: the front reads what it serves (names, tokenizer, chat template, API k
 here, before the core starts), starts the core, and binds once the core says this node holds engine
 rank 0 (a node of a multi-node engine that does not only waits for its core). ``/health`` answers
 503 until the core has loaded. The core's death is seen at once (its channel closes): requests in
-flight fail, ``/health`` answers 503 and the front exits with the core's status. SIGTERM drains here
+flight fail, ``/health`` answers 503 and the front exits with the core's status; with --respawn
+a spare core takes over and they go on (engine/api_server/front_failover.py). SIGTERM drains here
 (engine/api_server/drain.py), then stops the core.
 """
 
@@ -26,9 +27,10 @@ DEATH_GRACE_S = 2.0  # after the core died: how long the requests in flight get 
 
 
 def enabled(respawn: bool) -> bool:
-    """Whether `wcache serve` runs as front and core: the variable is 1 and not --respawn (whose
-    supervisor hands connections to its workers instead, engine/respawn/respawn.py)."""
-    return os.environ.get(ENV, "0") == "1" and not respawn
+    """Whether `wcache serve` runs as front and core: the variable is 1. With --respawn too the front
+    then replaces dead cores itself (engine/api_server/front_failover.py); with the variable off, --respawn is
+    the older supervisor's (engine/respawn/respawn.py)."""
+    return os.environ.get(ENV, "0") == "1"
 
 
 def run_front(args) -> int:
@@ -70,6 +72,12 @@ def run_front(args) -> int:
         return client.exit_code()
     server.engine, server.ready = client, True
     server.metrics.engine_ready(client)
+    if getattr(args, "respawn", False):  # a spare core loads now, to take over at the serving one's death
+        from wcache.engine.api_server.front_failover import Failover
+
+        client.failover = Failover(args, spawn_core)
+        client.failover.start_spare()
+        client.failover.watch(client, args.respawn_heartbeat_timeout)
     log.info("Engine ready (pid %d, engine core pid %d): POST http://%s:%d/v1/completions", os.getpid(), ready.pid,
              args.host, args.port)
     run_until_signal(server, on_stop=client.close)

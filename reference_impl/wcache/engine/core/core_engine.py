@@ -40,13 +40,14 @@ from wcache.engine.core.core_messages import (
     token_of,
 )
 from wcache.engine.core.engine import Engine, rank_specs
+from wcache.engine.core.failover_policy import BEAT_S
 from wcache.engine.worker.outputs import PromptScores
 from wcache.engine.worker.runner import RankRunner
 from wcache.engine.worker.sampling import Sampler
 from wcache.engine.core.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
 from wcache.engine.core.settings import EngineSettings
 from wcache.engine.worker.supervisor import Supervisor, start_local_ranks
-from wcache.errors import FRONT_GONE
+from wcache.errors import FRONT_GONE, RespawnError
 
 log = logging.getLogger("wcache.engine")
 
@@ -210,6 +211,7 @@ class EngineCore:
         engine = self.engine
         seq = Sequence(msg.prompt_token_ids, msg.max_tokens, Sampler(params_of(msg.sampling).seeded()),
                        frozenset(msg.stop_token_ids))
+        seq.replay.extend(msg.output_token_ids)  # a resumed request (front_failover.py): its tokens so far
         seq.sampler.bind(seq.prompt, seq.out, frozenset(msg.held_token_ids))  # as Engine.pieces binds it
         seq.outbox = _Outbox(self, msg.id)
         self._seqs[msg.id] = seq
@@ -236,14 +238,17 @@ class EngineCore:
         return False
 
     def report_status(self) -> None:
-        """The gauges the front's /metrics shows, sent when they change."""
-        last = None
+        """The gauges the front's /metrics shows, sent when they change, and every BEAT_S while
+        requests run: the heartbeat by which a --respawn front tells a stopped core from a busy one
+        (front_failover.py). An idle core, a spare among them, stays quiet."""
+        last, sent = None, 0.0
         while not self.stopping.wait(STATUS_INTERVAL_S):
             engine = self.engine
             now = (engine.num_requests_running(), engine.num_requests_waiting(), engine.daemon_alive())
-            if now != last:
+            busy = now[0] or now[1]
+            if now != last or (busy and time.monotonic() - sent >= BEAT_S):
                 self.send(Status(*now))
-                last = now
+                last, sent = now, time.monotonic()
 
 
 def run_core(args, loader_config, channel) -> int:
@@ -251,6 +256,8 @@ def run_core(args, loader_config, channel) -> int:
     core = EngineCore(channel)
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
     plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
+    if getattr(args, "respawn", False) and plan.world_size > 1:  # spares and resumes are one rank's (front_failover.py)
+        raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
     core.send(Planned(plan.drives))
     # Nothing loads before the front holds its port: a port already taken stays its one line, and
     # the front ends this process before it has printed anything.

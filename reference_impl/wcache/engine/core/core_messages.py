@@ -86,6 +86,11 @@ class AddRequest(_Msg):
     sampling: Sampling
     stop_token_ids: list[int]  # the ids that end it (the checkpoint's, unless ignore_eos, and the request's)
     held_token_ids: list[int] = []  # the ids min_tokens holds back (every stop id, EOS included)
+    # A request resumed after its core died (front_failover.py): the tokens it was already sent. The
+    # core re-runs them in place of its picks (scheduler.Sequence.replay), counts them as output
+    # (max_tokens, min_tokens, penalties, the seeded draw's position), sends none of them again and
+    # does not score the prompt again.
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(_Msg):

@@ -254,7 +254,7 @@ class Engine:
                 # Every row sampled before any is handed on: a handed token wakes its request's
                 # thread, which then holds the GIL between the sampler's PyTorch calls (16 prompts
                 # on a 2-core CPU: their first tokens went out over 5 ms instead of at once).
-                scored = group[0].sampler.params.prompt_logprobs is not None  # alone in its pass (prompt_groups)
+                scored = _scores_prompt(group[0])  # alone in its pass (prompt_groups)
                 run = functools.partial(r.run, TARGET, [s.slot for s in group], [0] * len(group),
                                         [s.prompt for s in group], 0 if scored else None)
                 toks = self._pass("prompt_pass", run, group, scored)
@@ -321,6 +321,9 @@ class Engine:
 
     def _hand(self, seq: Sequence, tokens: list[Sampled | int]) -> None:
         for tok in tokens:
+            if seq.replay:  # a resumed sequence re-runs a token it was sent already (core_engine.py)
+                seq.out.append(seq.replay.popleft())
+                continue
             if not isinstance(tok, Sampled):  # a speculative round's plain ids
                 tok = Sampled(tok)
             seq.out.append(tok.id)
@@ -379,7 +382,7 @@ def prompt_groups(joining: list[Sequence], max_tokens: int, together: bool = Tru
     by_length: dict[int, list[Sequence]] = {}
     out = []
     for seq in joining:
-        if seq.sampler.params.prompt_logprobs is not None:
+        if _scores_prompt(seq):
             out.append([seq])  # every position's logits: its own pass, the same alone or among others
         else:
             by_length.setdefault(len(seq.prompt), []).append(seq)
@@ -387,6 +390,11 @@ def prompt_groups(joining: list[Sequence], max_tokens: int, together: bool = Tru
         per_pass = max(1, (max_tokens + 2) // (length + 2)) if together else 1
         out += [seqs[i : i + per_pass] for i in range(0, len(seqs), per_pass)]
     return out
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """Whether its prompt pass scores the prompt: asked, and not a resumed sequence (scored already)."""
+    return seq.sampler.params.prompt_logprobs is not None and not seq.replay
 
 
 def rank_specs(s: EngineSettings, loader_config):

@@ -64,6 +64,10 @@ class Sequence:
     arrived: float = field(default_factory=time.monotonic)
     lens: list[int] = field(default_factory=lambda: [0, 0])  # speculative: target, draft KV positions
     spec: list[int] = field(default_factory=lambda: [0, 0])  # speculative: draft tokens proposed, accepted
+    # A request resumed on another engine core (core_engine.py): the tokens its client has already,
+    # which the loop takes in place of its picks, one decode pass each, so their KV and everything
+    # after are what the dead core computed (a prefill of them is faster but not bit-identical).
+    replay: deque = field(default_factory=deque)
 
     @property
     def position(self) -> int:

@@ -52,6 +52,16 @@ import time
 from wcache import logs
 from wcache.core import metrics, no_dump  # the standard library only (prometheus_client is the workers')
 from wcache.engine.respawn import handoff
+from wcache.engine.core.failover_policy import (  # noqa: F401 (the supervisor's importers read them here too)
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    BEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_DEATHS,
+    SPARE_DELAY_S,
+    STABLE_S,
+    cause,
+)
 from wcache.engine.api_server.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
 from wcache.engine.respawn.reception import Reception, answer_503
 from wcache.errors import RespawnError
@@ -61,16 +71,6 @@ log = logging.getLogger("wcache.respawn")
 SPARE_ENV = "WCACHE_SPARE_SPEC"  # a worker's settings, as JSON (engine/respawn/spare.py)
 SUPERVISOR_ENV = "WCACHE_RESPAWN_SPEC"  # the exec'd supervisor's settings, as JSON (main() below)
 LISTEN_BACKLOG = 128  # FrontDoorServer.request_queue_size: a burst (or a respawn) waits in the backlog
-# The serving worker beats every BEAT_S (engine/respawn/heartbeat.py). The default bound: far above any one
-# forward pass we run (a long prefill of an 8B model on an H200 takes well under a second; the
-# beat thread also waits for the GIL behind it) and far below what a client or a probe waits for
-# (Kubernetes' readiness probe: 3 s timeout, 3 failures in a row): 5 s.
-BEAT_S = 0.1
-HEARTBEAT_TIMEOUT_S = 5.0
-STABLE_S = 10.0
-BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
-MAX_DEATHS = 5
-SPARE_DELAY_S = 1.0  # after a respawn, the next spare starts this long after the promoted worker is ready
 STOP_GRACE_S = 10.0
 
 STARTED = "Respawn supervisor pid {pid} listens on http://{host}:{port}; engine worker pid {worker} starts"
@@ -91,16 +91,6 @@ HELD = ("Engine worker pid {pid} held {again} request(s) not yet answered (hande
         "connection")
 STOPPING = "Received {signal}, stopping the engine workers"
 STOPPED = "Respawn supervisor stopped"
-
-
-def cause(returncode: int) -> str:
-    """An exit as an operator reads it: ``signal SIGKILL`` or ``exit status 1``."""
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit status {returncode}"
 
 
 def listen(host: str, port: int) -> socket.socket:

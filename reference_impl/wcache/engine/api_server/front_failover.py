@@ -1,0 +1,190 @@
+"""`wcache serve --respawn` as front and engine core (``WCACHE_ENABLE_V1_MULTIPROCESSING=1``): the
+front keeps every connection and replaces its cores. A spare core is started ahead (Start, Planned,
+Proceed: it loads the weights and says Ready) and is left unread until the serving core dies; then
+core_client.py hands it every request in flight with the token ids already sent (AddRequest's
+``output_token_ids``) and the streams go on where they stopped. Then a new spare starts.
+
+Why here and not the old supervisor's design (engine/respawn/respawn.py): the front writes every byte of
+every answer and knows each request's tokens, so nothing a client holds is lost with a core; the
+supervisor there only held sockets, and a stream whose answer had begun ended with an error.
+
+Back-off and give-up as that supervisor's: a spare that fails to load is started again after
+BACKOFF_S, doubling up to BACKOFF_MAX_S; MAX_DEATHS deaths in a row, each within STABLE_S of the
+promotion before it (or MAX_DEATHS spares in a row that never loaded), and the front gives up: the
+requests in flight fail and it exits with the core's status, as without --respawn. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from wcache.engine.core.core_messages import (
+    ChannelError,
+    Planned,
+    Proceed,
+    Ready,
+    Shutdown,
+    front_channel,
+)
+from wcache.engine.core.failover_policy import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    BEAT_S,
+    MAX_DEATHS,
+    SPARE_DELAY_S,
+    STABLE_S,
+    cause,
+)
+from wcache.errors import (
+    CORE_GAVE_UP,
+    CORE_HUNG,
+    CORE_PROMOTED,
+    CORE_SPARE_FAILED,
+    CORE_SPARE_READY,
+)
+
+log = logging.getLogger("wcache.engine")
+
+SPARE_STOP_S = 30.0  # a spare told to stop (the front drains and exits) has this long before SIGKILL
+
+
+@dataclass
+class Core:
+    """An engine core the front started: its process, its channel and its Ready."""
+
+    proc: subprocess.Popen
+    channel: object
+    ready: Ready
+
+
+class Failover:
+    def __init__(self, args, spawn):
+        self.args, self.spawn = args, spawn  # spawn: core_client.spawn_core
+        self.spare: Core | None = None
+        self._starting: subprocess.Popen | None = None
+        self._cv = threading.Condition()
+        self._failed = 0  # spares in a row that never said Ready
+        self._row = 0  # deaths in a row: each within STABLE_S of the promotion before it
+        self._promoted_at: float | None = None
+        self.closed = self.gave_up = False
+
+    # -- spares ----------------------------------------------------------------------------------
+    def start_spare(self, delay: float = 0.0) -> None:
+        threading.Thread(target=self._spare, args=(delay,), name="wcache-spare-core", daemon=True).start()
+
+    def _spare(self, delay: float) -> None:
+        while True:
+            if delay:
+                time.sleep(delay)
+            with self._cv:
+                if self.closed:
+                    return
+                proc, sock = self.spawn(self.args)
+                self._starting = proc
+            core = self._load(proc, front_channel(sock))
+            with self._cv:
+                self._starting = None
+                if core is not None:
+                    self._failed, self.spare = 0, core
+                    self._cv.notify_all()
+                    if self.closed:
+                        self._stop(core)
+                    else:
+                        log.info(CORE_SPARE_READY.format(pid=proc.pid))
+                    return
+                if self.closed:
+                    return
+                self._failed += 1
+                log.error(CORE_SPARE_FAILED.format(pid=proc.pid, cause=cause(proc.wait()), n=self._failed,
+                                                   limit=MAX_DEATHS))
+                if self._failed >= MAX_DEATHS:
+                    self.gave_up = True
+                    self._cv.notify_all()
+                    return
+                delay = min(BACKOFF_S * 2 ** (self._failed - 1), BACKOFF_MAX_S)
+
+    @staticmethod
+    def _load(proc: subprocess.Popen, channel) -> Core | None:
+        """Planned, Proceed, Ready: the spare loads and is then left unread until promoted."""
+        try:
+            planned = channel.recv()
+            if isinstance(planned, Planned) and planned.drives:
+                channel.send(Proceed())
+                ready = channel.recv()
+                if isinstance(ready, Ready):
+                    return Core(proc, channel, ready)
+        except (ChannelError, OSError) as e:
+            log.error("%s", e)
+        proc.kill()
+        proc.wait()
+        return None
+
+    # -- the serving core died (core_client.py's reader thread) ----------------------------------
+    def promote(self, dead_pid: int, code: int) -> Core | None:
+        """The spare to serve in place of the dead core (waiting for it if it still loads), or None
+        once the front gives up."""
+        now = time.monotonic()
+        soon = self._promoted_at is not None and now - self._promoted_at < STABLE_S
+        self._row = self._row + 1 if soon else 1
+        if self._row >= MAX_DEATHS:  # the MAX_DEATHS-th in a row, as respawn.py counts
+            log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(code), n=self._row, stable=STABLE_S))
+            return None
+        with self._cv:
+            while self.spare is None and not (self.gave_up or self.closed):
+                if self._starting is None:  # none under way (its start failed earlier): one now
+                    self.start_spare()
+                    self._starting = True
+                self._cv.wait(0.5)
+            core, self.spare = self.spare, None
+        if core is None:
+            return None
+        self._promoted_at = time.monotonic()
+        log.warning(CORE_PROMOTED.format(pid=core.proc.pid, dead=dead_pid, cause=cause(code),
+                                         ms=(time.monotonic() - now) * 1e3))
+        self.start_spare(SPARE_DELAY_S)
+        return core
+
+    # -- a stopped or hung core (its channel stays open) -------------------------------------------
+    def watch(self, client, timeout: float) -> None:
+        """Kill the serving core once it has sent nothing for ``timeout`` while requests are in
+        flight (a busy core beats every BEAT_S, core_engine.report_status): its channel then closes
+        and the spare takes over as after a crash."""
+        def run() -> None:
+            while not self.closed:
+                time.sleep(BEAT_S)
+                silent, proc = time.monotonic() - client.heard, client.proc
+                if silent > timeout and client.in_flight() and proc.poll() is None and not client.closed:
+                    log.error(CORE_HUNG.format(pid=proc.pid, seconds=silent, timeout=timeout))
+                    proc.send_signal(signal.SIGKILL)
+                    client.heard = time.monotonic()  # once per silence
+        threading.Thread(target=run, name="wcache-core-watch", daemon=True).start()
+
+    # -- the end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            spare, self.spare = self.spare, None
+            starting = self._starting
+        if spare is not None:
+            self._stop(spare)
+        if isinstance(starting, subprocess.Popen):  # still loading: nothing to drain
+            starting.kill()
+            starting.wait()
+
+    @staticmethod
+    def _stop(core: Core) -> None:
+        try:
+            core.channel.send(Shutdown())
+        except OSError:
+            pass
+        try:
+            core.proc.wait(timeout=SPARE_STOP_S)
+        except subprocess.TimeoutExpired:
+            core.proc.kill()
+            core.proc.wait()
+        core.channel.close()
