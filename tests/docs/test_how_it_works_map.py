@@ -64,11 +64,11 @@ def test_the_comparison_sees_a_package_missing_from_either_side(tmp_path):
     (tmp_path / "wcache" / "__init__.py").write_text("")
     (tmp_path / "wcache" / "notes").mkdir()  # no __init__.py: not a package
     tree = tree_packages(tmp_path / "wcache")
-    assert tree == {"wcache.engine", "wcache.engine.api_server.front", "wcache.core"}
+    assert tree == {"wcache.engine", "wcache.engine.front", "wcache.core"}
     page = f"{HEADER}\n| --- | --- |\n| `wcache.engine` | the engine |\n| `wcache.core` | shared |\n| `wcache.wire` | gone |\n"
     assert differences(mapped_packages(page), tree) == [
-        "wcache.engine.api_server.front: a package of the tree that the map does not name",
+        "wcache.engine.front: a package of the tree that the map does not name",
         "wcache.wire: named in the map, not a package of the tree",
     ]
-    full = page.replace("| `wcache.wire` | gone |\n", "| `wcache.engine.api_server.front` | the HTTP side |\n")
+    full = page.replace("| `wcache.wire` | gone |\n", "| `wcache.engine.front` | the HTTP side |\n")
     assert differences(mapped_packages(full), tree) == []
