@@ -39,7 +39,6 @@ from wcache.engine.core.core_messages import (
     Proceed,
     QueueFullError,
     Ready,
-    Shutdown,
     Start,
     Status,
     StepOutputs,
@@ -52,6 +51,7 @@ from wcache.engine.core.core_messages import (
 from wcache.engine.worker.sampling_params import GREEDY, SamplingParams
 from wcache.engine.core.scheduler import QueueFull
 from wcache.engine.core.textstream import TextStream
+from wcache.engine.api_server.front_failover import stop_core
 from wcache.errors import (
     CORE_EXITED,
     CORE_FAILED,
@@ -312,15 +312,4 @@ class EngineCoreClient:
         self.closed = True
         if self.failover is not None:
             self.failover.close()
-        if not self.dead:
-            try:
-                self.channel.send(Shutdown())
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.error("The engine core (pid %d) did not stop in %.0f s: killed", self.proc.pid, STOP_WAIT_S)
-            self.proc.kill()
-            self.proc.wait()
-        self.channel.close()
+        stop_core(self.channel, self.proc, STOP_WAIT_S, ask=not self.dead)

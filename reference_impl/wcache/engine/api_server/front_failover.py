@@ -178,13 +178,21 @@ class Failover:
 
     @staticmethod
     def _stop(core: Core) -> None:
+        stop_core(core.channel, core.proc, SPARE_STOP_S)
+
+
+def stop_core(channel, proc: subprocess.Popen, timeout: float, ask: bool = True) -> None:
+    """Stop an engine core: ``Shutdown`` on its channel (unless ``ask`` is False: it is gone), up to
+    ``timeout`` for it to exit, then SIGKILL (logged); its channel closed either way."""
+    if ask:
         try:
-            core.channel.send(Shutdown())
+            channel.send(Shutdown())
         except OSError:
             pass
-        try:
-            core.proc.wait(timeout=SPARE_STOP_S)
-        except subprocess.TimeoutExpired:
-            core.proc.kill()
-            core.proc.wait()
-        core.channel.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.error("The engine core (pid %d) did not stop in %.0f s: killed", proc.pid, timeout)
+        proc.kill()
+        proc.wait()
+    channel.close()
