@@ -112,6 +112,26 @@ def test_concurrent_clients_get_their_lone_runs_text(engine):
         assert (choice["text"], choice["token_ids"]) == (alone[prompt]["text"], alone[prompt]["token_ids"]), prompt
 
 
+def test_logprobs_prompt_scores_and_stop_settings_cross_the_channel_unchanged(engine, procs, tiny_model):
+    """What api-2 added crosses the channel as one process computes it: each token's logprob, rank
+    and top logprobs, the echoed prompt's scores, min_tokens' held ids and ignore_eos. Compared with a
+    one-process engine on the same checkpoint (the variable off). The break it catches: a Token
+    sent without its logprob fields (core_messages.token_of) fails here, in CI, where the parity
+    tests run one process."""
+    body = {"prompt": "Hello", "max_tokens": 12, "logprobs": 3, "echo": True, "min_tokens": 4, "ignore_eos": True,
+            "return_tokens_as_token_ids": True}
+    one = procs.serve(tiny_model, "--max-model-len", "512", env={"WCACHE_ENABLE_V1_MULTIPROCESSING": "0"})
+    status, split = http("POST", url(engine, "/v1/completions"), body)
+    assert status == 200, split
+    status, alone = http("POST", f"http://127.0.0.1:{one.port}/v1/completions", body)
+    assert status == 200, alone
+    a, b = split["choices"][0], alone["choices"][0]
+    assert a["logprobs"]["token_logprobs"][0] is None and len(a["logprobs"]["tokens"]) > 12  # the prompt's, then 12
+    assert a["logprobs"]["top_logprobs"][-1] and a["logprobs"]["token_logprobs"][-1] is not None
+    assert (a["text"], a["token_ids"], a["finish_reason"]) == (b["text"], b["token_ids"], b["finish_reason"])
+    assert a["logprobs"] == b["logprobs"]
+
+
 def test_a_stop_string_ends_the_text_in_the_front(engine):
     text = complete(engine.port, "Once upon a time", 16)["choices"][0]["text"]
     stop = text[3:5]
