@@ -34,3 +34,17 @@ def from_flags(cls: type[T], flags: object) -> T:
             # argparse's nargs="+" gives a list: a frozen settings object holds a tuple.
             values[field.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The flags that say which weights and how (add_model_args' part that `wcache preload` and
+    `wcache serve` share): the daemon and the engine read the same ones, for the same cache key."""
+
+    model: str
+    dtype: str = "auto"
+    quantization: str | None = None
+    device: str = "auto"
+    revision: str | None = None
+    load_format: str = "auto"
+    enable_autotune: bool = True

@@ -23,14 +23,14 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-from wcache.model.quant import refuse_for_cache
 from wcache.core import checkpoint, fp8_check, seeded_checkpoint
 from wcache.core.config import EngineConfig, Ranks
-from wcache.core.ranks import ParallelSettings, plan_daemons
 from wcache.core.device import device_identity
+from wcache.core.ranks import ParallelSettings, plan_daemons
+from wcache.core.settings import ModelSettings
 from wcache.core.stop_flag import StopFlag
 from wcache.daemon import prewarm
 from wcache.daemon.metrics import LauncherMetrics
@@ -43,6 +43,7 @@ from wcache.errors import (
     PreloadConfigError,
     SeedConfigError,
 )
+from wcache.model.quant import refuse_for_cache
 from wcache.wire.sockets import (
     DaemonLock,
     claim_socket,
@@ -118,17 +119,10 @@ def start_health_server(host: str, port: int, health: Health, metrics: LauncherM
 
 
 @dataclass(frozen=True)
-class PreloadSettings:
+class PreloadSettings(ModelSettings):
     """`wcache preload`'s flags (add_preload_command_args in cli/flags.py), built once by the command
     line (core/settings.py); run_preload checks what the flags alone decide before any rank starts."""
 
-    model: str
-    dtype: str = "auto"
-    quantization: str | None = None
-    device: str = "auto"
-    revision: str | None = None
-    load_format: str = "auto"
-    enable_autotune: bool = True
     weight_cache_socket_dir: str | None = None
     weight_cache_health_port: int | None = None
     weight_cache_health_host: str = "0.0.0.0"

@@ -11,20 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wcache.core.ranks import ParallelSettings
-from wcache.engine.worker.runner import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS
+from wcache.core.settings import ModelSettings
+from wcache.engine.worker.runner import (
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+)
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class EngineSettings(ModelSettings):
     """`wcache serve`'s engine flags (add_engine_args and add_serve_args in cli/flags.py)."""
 
-    model: str
-    dtype: str = "auto"
-    quantization: str | None = None
-    device: str = "auto"
-    revision: str | None = None
-    load_format: str = "auto"
-    enable_autotune: bool = True
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
