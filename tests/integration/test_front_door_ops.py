@@ -12,9 +12,10 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
-from procs import complete, http
+from procs import complete, http, wait_until
 from wcache.engine.api_server.access_log import CLIENT_CLOSED
 from wcache.errors import BUSY_MESSAGE, NOT_ALLOWED, SHUTTING_DOWN
 
@@ -38,18 +39,26 @@ def request(port: int, method: str, path: str, body: bytes | None = None, header
         conn.close()
 
 
-def completion_body(max_tokens: int, stream: bool = False) -> bytes:
-    return json.dumps({"prompt": "Hello", "max_tokens": max_tokens, "stream": stream}).encode()
+def completion_body(max_tokens: int, stream: bool = False, **fields) -> bytes:
+    return json.dumps({"prompt": "Hello", "max_tokens": max_tokens, "stream": stream, **fields}).encode()
+
+
+def held_requests(port: int) -> int:
+    """Running plus waiting requests, as the engine's /metrics counts them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    gauges = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.]+)$", text, re.M)
+    return int(sum(float(g) for g in gauges))
 
 
 def post_head(body: bytes) -> bytes:
     return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
 
 
-def open_stream(port: int, max_tokens: int = LONG) -> socket.socket:
+def open_stream(port: int, max_tokens: int = LONG, **fields) -> socket.socket:
     """A streamed completion whose answer is not read: it holds one of the completion slots."""
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    body = completion_body(max_tokens, stream=True)
+    body = completion_body(max_tokens, stream=True, **fields)
     s.sendall(post_head(body) + body)
     return s
 
@@ -159,6 +168,7 @@ def wait_served(port: int, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.timed  # its bound holds on an idle host: make test runs it alone
 def test_a_non_streamed_completion_stops_when_its_client_leaves(engine):
     """Three long completions abandoned by their clients: each stops at its next token (the access
     log says 499 and how many tokens it made). Each client closes as soon as its request is sent,
@@ -207,23 +217,28 @@ def test_sigterm_health_503_at_once_new_connections_served_during_the_delay_then
 
 
 def test_sigterm_cuts_what_still_runs_at_the_deadline_with_an_error_and_exits_0(module_procs, tiny_model):
-    """Five long completions (four plain, one streamed last, each waiting for the engine in turn):
-    delay 0.5 s and timeout 1 s leave most running; each ends with the drain's error."""
+    """Five long completions (four plain, one streamed last) on an engine that runs one sequence
+    at a time: one runs and four wait, each for hundreds of steps (ignore_eos: a tiny model's EOS
+    may come early), so delay 0.5 s and timeout 1 s end with most of them unfinished, however
+    fast or loaded the machine. Each of those ends with the drain's error, none without an answer."""
     delay, timeout = 0.5, 1.0
-    engine = module_procs.serve(tiny_model, "--no-enable-autotune", "--shutdown-delay", str(delay),
-                                "--shutdown-timeout", str(timeout))
+    engine = module_procs.serve(tiny_model, "--no-enable-autotune", "--max-num-seqs", "1",
+                                "--shutdown-delay", str(delay), "--shutdown-timeout", str(timeout))
     answers: dict[int, tuple[int, bytes, float]] = {}
 
     def plain(i: int) -> None:
-        status, _, body = request(engine.port, "POST", "/v1/completions", completion_body(LONG))
+        try:
+            status, _, body = request(engine.port, "POST", "/v1/completions", completion_body(LONG, ignore_eos=True))
+        except OSError as e:  # recorded: a request that ends without an answer fails the test by name
+            status, body = -1, repr(e).encode()
         answers[i] = (status, body, time.monotonic())
 
     threads = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-        time.sleep(0.05)
-    stream = open_stream(engine.port)
-    time.sleep(0.3)
+    wait_until(lambda: held_requests(engine.port) + len(answers) == 4, 30, "the four plain completions held")
+    stream = open_stream(engine.port, ignore_eos=True)
+    wait_until(lambda: held_requests(engine.port) + len(answers) == 5, 30, "the stream held as well")
     t0 = time.monotonic()
     engine.proc.send_signal(signal.SIGTERM)
     events = b""

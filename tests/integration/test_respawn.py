@@ -49,6 +49,7 @@ def refused(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.timed  # its bound holds on an idle host: make test runs it alone
 @pytest.mark.parametrize("load_format", ["ipc_cache", "safetensors"])
 def test_a_killed_worker_is_replaced_on_the_same_socket_and_no_client_is_refused(procs, tiny_model, load_format):
     if load_format == "ipc_cache":

@@ -32,6 +32,7 @@ def until(predicate, seconds: float = 2.0) -> bool:
     return False
 
 
+@pytest.mark.timed  # its bound holds on an idle host: make test runs it alone
 def test_a_new_connection_and_a_request_being_read_count_as_arriving(server):
     assert not server.connections.arriving()
     c = socket.create_connection(server.server_address)
