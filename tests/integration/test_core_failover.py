@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from itest import run_cli, wait_until
 from procs import http
+from wcache.engine.api_server.core_client import FAILOVER_TIMELINE
 from wcache.engine.core.failover_policy import MAX_DEATHS, STABLE_S
 
 ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -27,6 +28,7 @@ LONG = 300  # tokens: some 1.5 s of four streams decoding together on a 2-core C
 PROMPTS = ["Hello", "The cat", "Once upon a time", "weights"]
 KILL_TO_200_MS = 50.0  # the issue's target on CPU (tiny model)
 HEARTBEAT_TIMEOUT_S = 2.0  # a busy core beats every 0.1 s: twenty beats missed on a loaded 2-core host
+TIMELINE = re.compile(FAILOVER_TIMELINE.replace("{json}", "(.*)"))
 HUNG = re.compile(r"Engine core pid (\d+) hung: no frame for ([\d.]+) s with requests in flight")
 
 
@@ -105,7 +107,7 @@ def test_four_greedy_streams_go_on_through_three_kills_with_the_uncrashed_text(e
     bodies = [{"prompt": p, "max_tokens": LONG, "ignore_eos": True} for p in PROMPTS]
     reference = [Stream(engine.port, b).result() for b in bodies]
     assert all(len(text_of(r)) > 0 and r[-1] == "[DONE]" for r in reference)
-    kill_to_200 = []
+    kill_to_200, kills = [], []
     for _ in range(3):
         wait_spare(engine)
         streams = [Stream(engine.port, b) for b in bodies]
@@ -113,6 +115,7 @@ def test_four_greedy_streams_go_on_through_three_kills_with_the_uncrashed_text(e
             assert s.started_.wait(60)
         assert all(s.is_alive() for s in streams), "the streams ended before the kill: make LONG longer"
         killed = kill_serving_core(engine)
+        kills.append(killed)
         status, body = http("POST", f"http://127.0.0.1:{engine.port}/v1/completions",
                             {"prompt": "Hi", "max_tokens": 1})
         kill_to_200.append((time.monotonic() - killed) * 1e3)
@@ -125,10 +128,35 @@ def test_four_greedy_streams_go_on_through_three_kills_with_the_uncrashed_text(e
     median = statistics.median(kill_to_200)
     print(f"kill -> next 200 (ms), each kill with 4 streams resuming: {[round(m, 1) for m in kill_to_200]}, "
           f"median {median:.1f}")
+    # The front's timeline of each failover: its phases in order, the four streams (and perhaps the
+    # fresh request, if it reached the dead core) re-added to the promoted one.
+    timelines = [json.loads(m) for m in TIMELINE.findall(engine.log())]
+    assert len(timelines) == 3, engine.log()[-2000:]
+    for t in timelines:
+        marks = [t[k] for k in ("channel_closed", "reaped", "spare_taken", "requests_sent", "first_output")]
+        assert marks == sorted(marks) and 4 <= t["resumed"] <= 5, t
+        print("phases (ms):", {k: round((b - a) * 1e3, 1) for k, a, b in zip(
+            ("reap", "promote", "re-add", "first tokens"), marks, marks[1:])})
+    # Measured from this process's kill: most of what the front cannot shorten is here, the kernel
+    # tearing the killed core down (its threads, its memory) before its end of the channel closes.
+    print("kill -> channel closed (ms):", [round((t["channel_closed"] - k) * 1e3, 1) for t, k in zip(timelines, kills)])
     # The issue's CPU target (KILL_TO_200_MS) is reported, not asserted: on this shared 2-core host the
     # median of 3 went from 43 to 61 ms between two runs of the same code (the fresh request shares its
     # first steps with the four resumed streams), so an assert would test the host's load.
     print(f"target {KILL_TO_200_MS:g} ms: {'met' if median <= KILL_TO_200_MS else 'not met'} in this run")
+
+
+def test_a_core_idle_longer_than_the_heartbeat_timeout_is_not_taken_for_hung(engine):
+    """An idle core sends nothing (report_status beats only while requests run), so the silence the
+    watch measures counts from the work given to it. The break it catches: counting from the core's
+    last frame killed a healthy core as hung at the first request after an idle spell longer than
+    --respawn-heartbeat-timeout (found by the four-streams test, whose third kill then hit the spare)."""
+    assert http("POST", f"http://127.0.0.1:{engine.port}/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+    time.sleep(HEARTBEAT_TIMEOUT_S + 1.0)  # idle: no frame from the core
+    stream = Stream(engine.port, {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True})
+    assert stream.result()[-1] == "[DONE]"
+    time.sleep(0.5)  # a few of the watch's beats after the end
+    assert not HUNG.search(engine.log()) and not PROMOTED.search(engine.log()), engine.log()[-1500:]
 
 
 def test_a_seeded_sampled_stream_resumed_is_its_uncrashed_run(engine):

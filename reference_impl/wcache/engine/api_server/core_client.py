@@ -12,6 +12,7 @@ step loop never waits for anyone. No torch in this module or anything it imports
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import queue
 import socket
@@ -62,6 +63,9 @@ from wcache.errors import (
 log = logging.getLogger("wcache.engine")
 
 STOP_WAIT_S = 90.0  # the core's engine.close() waits up to 60 s for its step, then stops the ranks
+# Logged at a promoted core's first frame: when the front saw the channel close, reaped the dead core,
+# had the spare, had re-added the requests in flight, and had the new core's first tokens (monotonic s).
+FAILOVER_TIMELINE = "Core failover timeline: {json}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class EngineCoreClient:
         self._running = self._waiting = 0
         self._alive: float | None = None
         self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
+        self._timeline: dict | None = None  # a failover's phases until the promoted core's first frame
 
     # -- start-up (the front's main thread) ------------------------------------------------------
     def planned(self) -> Planned | None:
@@ -176,6 +181,8 @@ class EngineCoreClient:
         add = AddRequest(rid, ids, max_tokens, sampling_of(sampling), sorted(stop_ids), sorted(held))
         with self._swap:
             with self._lock:
+                if not self._asks:  # an idle core is quiet (core_engine.report_status): the heartbeat's
+                    self.heard = time.monotonic()  # silence counts from the work it is given, not its last frame
                 self._boxes[rid] = box
                 self._asks[rid] = (add, [])
             try:
@@ -224,6 +231,8 @@ class EngineCoreClient:
                 if msg is None:
                     break
                 self.heard = time.monotonic()
+                if self._timeline is not None and isinstance(msg, StepOutputs):
+                    self._log_timeline()
                 if isinstance(msg, StepOutputs):
                     self._running, self._waiting = msg.running, msg.waiting
                     self._deliver(msg)
@@ -238,7 +247,7 @@ class EngineCoreClient:
                     self.on_unhealthy()
         except ChannelError as e:
             log.error("%s", e)
-        self._gone()
+        self._gone(time.monotonic())
 
     def _deliver(self, msg: StepOutputs) -> None:
         for o in msg.outputs:
@@ -261,16 +270,18 @@ class EngineCoreClient:
                 if o.finished is not None:
                     box.put(_End(o.finished, RuntimeError(o.error) if o.error else None))
 
-    def _gone(self) -> None:
+    def _gone(self, closed_at: float) -> None:
         """The channel closed: a core we stopped, or one that died."""
         if self.closed:
             self.dead = True
             return
         code = self.proc.wait()
         if self.failover is not None:
+            timeline = {"dead_pid": self.proc.pid, "channel_closed": closed_at, "reaped": time.monotonic()}
             core = self.failover.promote(self.proc.pid, code)
             if core is not None:
-                self._take_over(core)
+                timeline.update(pid=core.proc.pid, spare_taken=time.monotonic())
+                self._take_over(core, timeline)
                 return
         self.dead = True
         log.error(CORE_EXITED.format(pid=self.proc.pid, code=code))
@@ -282,9 +293,10 @@ class EngineCoreClient:
         if self.on_death is not None:
             self.on_death()
 
-    def _take_over(self, core) -> None:
+    def _take_over(self, core, timeline: dict) -> None:
         """The promoted core serves: every request in flight is added to it with the tokens already
         handed on (it runs them as context and goes on), and its frames are read from now on."""
+        resumed = 0
         with self._swap:
             old, self.proc, self.channel = self.channel, core.proc, core.channel
             self.heard = time.monotonic()
@@ -299,10 +311,18 @@ class EngineCoreClient:
                     continue
                 try:
                     self.channel.send(msgspec.structs.replace(add, output_token_ids=list(got)))
+                    resumed += 1
                 except OSError:
                     break  # this core died too: its reader promotes the next, which gets them all
             old.close()
+            self._timeline = {**timeline, "resumed": resumed, "requests_sent": time.monotonic()}
             threading.Thread(target=self._read, args=(self.channel,), name="wcache-core-reader", daemon=True).start()
+
+    def _log_timeline(self) -> None:
+        timeline, self._timeline = self._timeline, None
+        timeline["first_output"] = time.monotonic()
+        log.info(FAILOVER_TIMELINE.format(json=json.dumps(
+            {k: round(v, 6) if isinstance(v, float) else v for k, v in timeline.items()})))
 
     # -- the end -----------------------------------------------------------------------------------
     def close(self) -> None:
