@@ -13,9 +13,8 @@ import typing
 import pytest
 from wcache.bench.settings import BenchSettings
 from wcache.cli import build_parser
-from wcache.core.settings import from_flags
+from wcache.core.settings import from_data, from_flags, to_data
 from wcache.daemon.launcher import PreloadSettings
-from wcache.core.settings import from_data, to_data
 from wcache.engine.api_server.settings import ServeSettings
 from wcache.engine.core.settings import CoreSettings, EngineSettings
 
@@ -100,8 +99,9 @@ def test_serve_settings_reach_a_child_process_as_data_and_back():
 
     s = serve_settings(["serve", "m", "--api-key", "k1", "k2", "--served-model-name", "a", "b", "-tp", "2",
                         "--respawn", "--port", "8123", "--shutdown-delay", "0", "--cpu-memory-capacity", "1GiB"])
-    assert (s.api.api_key, s.api.served_model_name, s.engine.parallel.tensor_parallel_size) == (("k1", "k2"), ("a", "b"), 2)
-    assert (s.core.respawn, s.http.port, s.http.shutdown_delay, s.engine.cpu_memory_capacity) == (True, 8123, 0.0, 1 << 30)
+    assert (s.api.api_key, s.api.served_model_name) == (("k1", "k2"), ("a", "b"))
+    assert s.engine.parallel.tensor_parallel_size == 2 and s.engine.cpu_memory_capacity == 1 << 30
+    assert (s.core.respawn, s.http.port, s.http.shutdown_delay) == (True, 8123, 0.0)
     assert from_data(ServeSettings, json.loads(json.dumps(to_data(s)))) == s
     assert from_data(CoreSettings, msgspec.msgpack.decode(msgspec.msgpack.encode(to_data(s.core)))) == s.core
     assert "k1" not in json.dumps(to_data(s.core))  # the engine core is never told the API key

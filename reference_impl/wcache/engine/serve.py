@@ -34,7 +34,8 @@ def run_serve(settings: ServeSettings, loader_config, sock=None, answer_while_lo
     from wcache.engine.worker.supervisor import start_local_ranks
 
     plan, specs = rank_specs(settings.engine, loader_config)
-    served = served or ServedModel.from_settings(settings.model, settings.api)  # names, chat template, API key: a bad one stops before loading
+    # Names, chat template, API key: a bad one stops before loading.
+    served = served or ServedModel.from_settings(settings.model, settings.api)
     runner = prepared or RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
@@ -61,7 +62,8 @@ def run_serve(settings: ServeSettings, loader_config, sock=None, answer_while_lo
     server.engine, server.ready = engine, True
     engine.scheduler.wait_arrived = server.wait_arrived
     server.metrics.engine_ready(engine)
-    log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), settings.http.host, settings.http.port)
+    log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), settings.http.host,
+             settings.http.port)
     if on_ready is not None:
         on_ready(engine, server)
     run_until_signal(server, on_stop=on_stop)

@@ -38,7 +38,8 @@ def run_front(settings: ServeSettings) -> int:
     from wcache.engine.api_server.served import ServedModel
     from wcache.engine.api_server.server import EngineServer, run_until_signal
 
-    served = ServedModel.from_settings(settings.model, settings.api)  # names, chat template, API key: a bad one stops before loading
+    # Names, chat template, API key: a bad one stops before loading.
+    served = ServedModel.from_settings(settings.model, settings.api)
     proc, sock = spawn_core(settings.core)
     client = EngineCoreClient(proc, sock, served.tokenizer, served.stop_ids)
     try:

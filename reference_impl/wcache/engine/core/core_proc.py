@@ -1,8 +1,8 @@
 """`wcache serve`'s engine core process: ``python -m wcache.engine.core.core_proc CHANNEL_FD``, started by the
 front (engine/api_server/front.py) as a fresh interpreter (never a fork of the front), with its end of the
 front's socket pair. Its first frame is ``Start``: its settings (settings.CoreSettings as msgpack: no
-pickle, and not on the command line, where ``ps`` shows them), checked again here. Then the CUDA context is made while torch imports
-(early_context.py), and the engine core runs (engine/core/core_engine.py).
+pickle, and not on the command line, where ``ps`` shows them), checked again here. Then the CUDA
+context is made while torch imports (early_context.py), and the engine core runs (engine/core/core_engine.py).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ Promotion then only sizes and allocates the KV cache (runner.finish) and starts 
 the spare waits cold (imports only) and loads after promotion, as it says in its log.
 
 Started as ``python -m wcache.engine.respawn.spare`` with its settings as JSON in ``WCACHE_SPARE_SPEC``:
-``wcache serve``'s settings (api_server/settings.py's ServeSettings, checked again here), and three inherited descriptors: the listening socket, a control
-pipe it reads its promotion from and a status pipe it writes its progress to (one JSON object a
-line, no pickle). Once promoted it runs ``wcache serve``'s own start-up (engine.run_serve) with
+``wcache serve``'s settings (api_server/settings.py's ServeSettings, checked again here), and three
+inherited descriptors: the listening socket, a control pipe it reads its promotion from and a status
+pipe it writes its progress to (one JSON object a line, no pickle). Once promoted it runs ``wcache serve``'s own start-up (engine.run_serve) with
 the inherited socket: the same loaders, memory plan and autotune as a plain ``wcache serve``.
 """
 
@@ -213,7 +213,8 @@ def main() -> int:
         runner, fields = None, {"warm": False, "cold": "prepare failed"}
         log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=e))
     try:
-        served = ServedModel.from_settings(settings.model, settings.api)  # read and compiled while waiting, not after the promotion
+        # Read and compiled while waiting, not after the promotion.
+        served = ServedModel.from_settings(settings.model, settings.api)
     except UserError:
         served = None  # the promotion builds it again and stops with its error, as a plain start would
     tell(status, event="spare", pid=os.getpid(), import_s=round(seconds, 3), cuda_initialized=cuda, **fields)
