@@ -6,8 +6,7 @@ wcache.cli``), picks the command and runs it. It imports its own modules, so the
 each other (a module of this package that imported a sibling would load this one first: a loop).
 
 argparse's namespace stops here: each command gets its typed settings, built once from it
-(core/settings.py). `wcache serve` is the exception for now: run_serve and --respawn still take
-the namespace, and build the engine's settings from it themselves.
+(core/settings.py); no module outside cli/ reads the namespace (tests/unit/test_no_namespace.py).
 """
 
 from __future__ import annotations
@@ -93,19 +92,24 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    # No torch in these two: the front (below) holds the settings too.
+    from wcache.core.settings import from_flags
+    from wcache.engine.api_server.settings import ServeSettings
+
+    settings = from_flags(ServeSettings, args)
     if _two_processes(["--respawn"] if args.respawn else []):  # the front: no torch here (engine/api_server/front.py)
         from wcache.engine.api_server.front import run_front
 
-        return run_front(args)
+        return run_front(settings)
     from wcache.engine.serve import run_serve
     from wcache.engine.loading.config import parse_loader_config
 
-    loader_config = parse_loader_config(args.model_loader_extra_config)
-    if args.respawn:
+    loader_config = parse_loader_config(settings.core.model_loader_extra_config)
+    if settings.core.respawn:
         from wcache.engine.respawn.respawn import run_respawn
 
-        return run_respawn(args, loader_config)
-    return run_serve(args, loader_config)
+        return run_respawn(settings, loader_config)
+    return run_serve(settings, loader_config)
 
 
 def cmd_bench(args) -> int:

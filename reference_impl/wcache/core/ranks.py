@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from wcache.core.config import Ranks
 from wcache.core.device import cuda_device_count
+from wcache.core.settings import ParallelSettings
 from wcache.core.speculative import (
     CACHED_DRAFT_METHODS,
     SpecConfig,
@@ -131,28 +132,6 @@ def check_model_fits(hf: dict, tp: int, pp: int) -> None:
         raise ParallelConfigError(PP_TOO_LARGE.format(pp=pp, layers=hf["num_hidden_layers"]))
     # An FP8 checkpoint's slices must hold whole scale blocks (quant.Fp8BlockCheckpoint).
     quant.resolve(None, hf).check_layout(hf, tp)
-
-
-@dataclass(frozen=True)
-class ParallelSettings:
-    """The parallel flags of `wcache serve` and `wcache preload` (add_parallel_args in cli/flags.py),
-    plus each command's own: the engine's --data-parallel-rank, the daemons' rendezvous ports.
-    Checked against each other and the model by plan_layout, plan_engine and plan_daemons."""
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int | None = None
-    data_parallel_address: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = DEFAULT_MASTER_ADDR
-    master_port: int = DEFAULT_MASTER_PORT
-    speculative_config: str | None = None  # the flag's JSON text (core/speculative.py parses it)
-    data_parallel_rank: int | None = None  # wcache serve only
-    weight_cache_master_port: int | None = None  # wcache preload only
-    weight_cache_draft_master_port: int | None = None  # wcache preload only
 
 
 def plan_layout(p: ParallelSettings, hf: dict, device: str = "cpu") -> RankLayout:

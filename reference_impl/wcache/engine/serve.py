@@ -12,15 +12,14 @@ import logging
 import os
 
 from wcache.core.distributed import exit_after_collectives
-from wcache.core.settings import from_flags
+from wcache.engine.api_server.settings import ServeSettings
 from wcache.engine.core.engine import Engine, rank_specs
 from wcache.engine.worker.runner import RankRunner
-from wcache.engine.core.settings import EngineSettings
 
 log = logging.getLogger("wcache.engine")
 
 
-def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None,
+def run_serve(settings: ServeSettings, loader_config, sock=None, answer_while_loading: bool = True, on_ready=None,
               prepared: RankRunner | None = None, served=None) -> int:
     """``wcache serve``: every world size, one path.
 
@@ -34,9 +33,9 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     from wcache.engine.api_server.server import EngineServer, run_until_signal
     from wcache.engine.worker.supervisor import start_local_ranks
 
-    # The engine's part of the flags as typed settings; the HTTP side still reads ``args`` (see settings.py).
-    plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
-    served = served or ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
+    plan, specs = rank_specs(settings.engine, loader_config)
+    # Names, chat template, API key: a bad one stops before loading.
+    served = served or ServedModel.from_settings(settings.model, settings.api)
     runner = prepared or RankRunner.from_spec(specs[0])
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
@@ -44,8 +43,8 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
     server = None
     if plan.drives and answer_while_loading:
         # Listen before loading so /health answers 503 while weights load (readiness probes).
-        server = EngineServer.from_args(args, None, sock, served)
-        log.info("Serving on http://%s:%d (health 503 until %s)", args.host, args.port,
+        server = EngineServer.from_settings(settings.http, served, None, sock)
+        log.info("Serving on http://%s:%d (health 503 until %s)", settings.http.host, settings.http.port,
                  "weights are loaded" if runner.plain else "every rank has its weights")
         served.log_found()
     supervisor = start_local_ranks(runner, specs, plan, server, runner.finish if prepared is not None else runner.start,
@@ -58,12 +57,13 @@ def run_serve(args, loader_config, sock=None, answer_while_loading: bool = True,
         supervisor.stop()
 
     if server is None:  # a promoted --respawn spare: clients waited in the backlog until now
-        server = EngineServer.from_args(args, engine, sock, served)
+        server = EngineServer.from_settings(settings.http, served, engine, sock)
         served.log_found()
     server.engine, server.ready = engine, True
     engine.scheduler.wait_arrived = server.wait_arrived
     server.metrics.engine_ready(engine)
-    log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), args.host, args.port)
+    log.info("Engine ready (pid %d): POST http://%s:%d/v1/completions", os.getpid(), settings.http.host,
+             settings.http.port)
     if on_ready is not None:
         on_ready(engine, server)
     run_until_signal(server, on_stop=on_stop)

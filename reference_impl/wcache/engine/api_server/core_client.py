@@ -50,6 +50,8 @@ from wcache.engine.core.core_messages import (
     sampling_of,
 )
 from wcache.engine.worker.sampling_params import GREEDY, SamplingParams
+from wcache.core.settings import to_data
+from wcache.engine.core.settings import CoreSettings
 from wcache.engine.core.scheduler import QueueFull
 from wcache.engine.core.textstream import TextStream
 from wcache.engine.api_server.front_failover import stop_core
@@ -76,14 +78,13 @@ class CoreConfig:
     hf: dict = field(default_factory=dict)
 
 
-def spawn_core(args) -> tuple[subprocess.Popen, socket.socket]:
-    """The engine core process, told ``args`` (`wcache serve`'s flags), and this end of its channel."""
+def spawn_core(settings: CoreSettings) -> tuple[subprocess.Popen, socket.socket]:
+    """The engine core process, told ``settings`` (no API key: it stays in the front), and this end of its channel."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.core.core_proc", str(theirs.fileno())],
                             pass_fds=(theirs.fileno(),))
     theirs.close()
-    flags = {k: v for k, v in vars(args).items() if k != "api_key"}  # the key stays in the front
-    front_channel(mine).send(Start(flags))
+    front_channel(mine).send(Start(to_data(settings)))
     return proc, mine
 
 

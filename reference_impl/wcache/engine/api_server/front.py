@@ -19,6 +19,7 @@ import os
 import threading
 
 from wcache.engine.api_server.core_client import EngineCoreClient, spawn_core
+from wcache.engine.api_server.settings import ServeSettings
 
 log = logging.getLogger("wcache.engine")
 
@@ -33,12 +34,13 @@ def enabled(respawn: bool) -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-def run_front(args) -> int:
+def run_front(settings: ServeSettings) -> int:
     from wcache.engine.api_server.served import ServedModel
     from wcache.engine.api_server.server import EngineServer, run_until_signal
 
-    served = ServedModel.from_args(args)  # names, chat template, API key: a bad one stops before loading
-    proc, sock = spawn_core(args)
+    # Names, chat template, API key: a bad one stops before loading.
+    served = ServedModel.from_settings(settings.model, settings.api)
+    proc, sock = spawn_core(settings.core)
     client = EngineCoreClient(proc, sock, served.tokenizer, served.stop_ids)
     try:
         planned = client.planned()
@@ -48,13 +50,14 @@ def run_front(args) -> int:
             client.proceed()
             code = proc.wait()
             return code if code >= 0 else 1
-        server = EngineServer.from_args(args, None, None, served)
+        server = EngineServer.from_settings(settings.http, served, None)
     except BaseException:  # the port taken, say: the core has waited, silent, for Proceed
         proc.kill()
         proc.wait()
         raise
     client.proceed()
-    log.info("Serving on http://%s:%d (health 503 until the engine core has loaded)", args.host, args.port)
+    log.info("Serving on http://%s:%d (health 503 until the engine core has loaded)", settings.http.host,
+             settings.http.port)
     served.log_found()
     client.on_unhealthy = lambda: setattr(server, "ready", False)
     died = threading.Event()
@@ -72,14 +75,14 @@ def run_front(args) -> int:
         return client.exit_code()
     server.engine, server.ready = client, True
     server.metrics.engine_ready(client)
-    if getattr(args, "respawn", False):  # a spare core loads now, to take over at the serving one's death
+    if settings.core.respawn:  # a spare core loads now, to take over at the serving one's death
         from wcache.engine.api_server.front_failover import Failover
 
-        client.failover = Failover(args, spawn_core)
+        client.failover = Failover(settings.core, spawn_core)
         client.failover.start_spare()
-        client.failover.watch(client, args.respawn_heartbeat_timeout)
+        client.failover.watch(client, settings.respawn_heartbeat_timeout)
     log.info("Engine ready (pid %d, engine core pid %d): POST http://%s:%d/v1/completions", os.getpid(), ready.pid,
-             args.host, args.port)
+             settings.http.host, settings.http.port)
     run_until_signal(server, on_stop=client.close)
     if died.is_set():
         return client.exit_code()

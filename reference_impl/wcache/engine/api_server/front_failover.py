@@ -40,6 +40,7 @@ from wcache.engine.core.failover_policy import (
     STABLE_S,
     cause,
 )
+from wcache.engine.core.settings import CoreSettings
 from wcache.errors import (
     CORE_GAVE_UP,
     CORE_HUNG,
@@ -63,8 +64,8 @@ class Core:
 
 
 class Failover:
-    def __init__(self, args, spawn):
-        self.args, self.spawn = args, spawn  # spawn: core_client.spawn_core
+    def __init__(self, settings: CoreSettings, spawn):
+        self.settings, self.spawn = settings, spawn  # spawn: core_client.spawn_core
         self.spare: Core | None = None
         self._starting: subprocess.Popen | None = None
         self._cv = threading.Condition()
@@ -84,7 +85,7 @@ class Failover:
             with self._cv:
                 if self.closed:
                     return
-                proc, sock = self.spawn(self.args)
+                proc, sock = self.spawn(self.settings)
                 self._starting = proc
             core = self._load(proc, front_channel(sock))
             with self._cv:

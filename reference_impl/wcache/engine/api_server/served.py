@@ -15,6 +15,7 @@ from wcache.engine.api_server import auth
 
 from wcache.engine.openai import chat_template, template_sandbox
 from wcache.engine.api_server.auth import ApiKeys
+from wcache.engine.api_server.settings import ApiSettings
 from wcache.engine.openai.chat_template import ChatTemplate
 from wcache.errors import SERVED_NAME_EMPTY, UserError
 from wcache.model import generation_config
@@ -33,7 +34,7 @@ class ServedModel:
     # (None: the checkpoint's).
     tokenizer: Tokenizer | None | str = field(default="auto", repr=False)
     stop_ids: frozenset[int] | None = None
-    # What from_args found, logged once the port is bound (a port already taken stays a one-line error).
+    # What from_settings found, logged once the port is bound (a port already taken stays a one-line error).
     found: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -46,28 +47,26 @@ class ServedModel:
         return model if isinstance(model, ServedModel) else cls((str(model),), str(model))
 
     @classmethod
-    def from_args(cls, args) -> ServedModel:
-        """From ``wcache serve``'s flags; logs what it found (never a key)."""
-        names = tuple(getattr(args, "served_model_name", None) or (args.model,))
+    def from_settings(cls, model: str, api: ApiSettings) -> ServedModel:
+        """From ``wcache serve``'s model directory and API settings; logs what it found (never a key)."""
+        names = tuple(api.served_model_name or (model,))
         if any(not n for n in names):
             raise UserError(SERVED_NAME_EMPTY)
-        tokenizer = None if getattr(args, "skip_tokenizer_init", False) else Tokenizer.load(
-            args.model, getattr(args, "tokenizer", None))
-        stop_ids = generation_config.stop_ids(args.model, tokenizer.eos_token_id if tokenizer else None,
-                                              getattr(args, "generation_config", "auto"))
+        tokenizer = None if api.skip_tokenizer_init else Tokenizer.load(model, api.tokenizer)
+        stop_ids = generation_config.stop_ids(model, tokenizer.eos_token_id if tokenizer else None,
+                                              api.generation_config)
         # Before the template is compiled: that runs in a render worker too, under the same deadline.
-        template_sandbox.RUNNER.timeout_s = getattr(args, "chat_template_render_timeout",
-                                                    template_sandbox.DEFAULT_TIMEOUT_S)
-        template = None if tokenizer is None else chat_template.load(tokenizer.source, getattr(args, "chat_template", None))
-        keys = auth.from_flag_or_env(getattr(args, "api_key", None))
+        template_sandbox.RUNNER.timeout_s = api.chat_template_render_timeout
+        template = None if tokenizer is None else chat_template.load(tokenizer.source, api.chat_template)
+        keys = auth.from_flag_or_env(api.api_key)
         found = [f"Tokenizer: from {tokenizer.source}" if tokenizer else
                  "Tokenizer: none (--skip-tokenizer-init): prompts are token ids, completions carry no text",
                  "Stop token ids: " + (", ".join(map(str, sorted(stop_ids))) or "none"),
                  "Chat template: " + (f"from {template.source}" if template else
                                       "none (POST /v1/chat/completions answers 400; give one with --chat-template)")]
         if keys:
-            found.append(f"API key required on /v1/* ({'--api-key' if getattr(args, 'api_key', None) else auth.ENV})")
-        return cls(names, args.model, template, keys, tokenizer=tokenizer, stop_ids=stop_ids, found=tuple(found))
+            found.append(f"API key required on /v1/* ({'--api-key' if api.api_key is not None else auth.ENV})")
+        return cls(names, model, template, keys, tokenizer=tokenizer, stop_ids=stop_ids, found=tuple(found))
 
     def log_found(self) -> None:
         for line in self.found:

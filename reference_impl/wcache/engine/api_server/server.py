@@ -35,6 +35,7 @@ from wcache.engine.api_server import http_front
 from wcache.engine.openai import openai_api as api
 from wcache.engine.loading import waiting
 from wcache.engine.api_server.served import ServedModel
+from wcache.engine.api_server.settings import HttpSettings
 from wcache.engine.api_server.access_log import CLIENT_CLOSED
 from wcache.engine.api_server.client_gone import PeerWatch
 from wcache.engine.api_server.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S, drain
@@ -155,14 +156,14 @@ class EngineServer(FrontDoorServer):
 
 
     @classmethod
-    def from_args(cls, args, engine, sock=None, served: ServedModel | None = None) -> EngineServer:
-        """The server ``wcache serve``'s flags describe (flags the parser lacks keep their defaults);
-        ``served``: what ServedModel.from_args(args) read once, before the weights loaded."""
-        limits = Limits(max_connections=getattr(args, "max_concurrent_connections", DEFAULT_LIMITS.max_connections))
-        server = cls((args.host, args.port), engine, served or args.model, limits=limits, sock=sock)
-        server.log_requests = not getattr(args, "disable_log_requests", False)
-        server.shutdown_delay = getattr(args, "shutdown_delay", SHUTDOWN_DELAY_S)
-        server.shutdown_timeout = getattr(args, "shutdown_timeout", SHUTDOWN_TIMEOUT_S)
+    def from_settings(cls, http: HttpSettings, served: ServedModel, engine, sock=None) -> EngineServer:
+        """The server ``wcache serve``'s HTTP settings describe; ``served``: what
+        ServedModel.from_settings read once, before the weights loaded."""
+        limits = Limits(max_connections=http.max_concurrent_connections)
+        server = cls((http.host, http.port), engine, served, limits=limits, sock=sock)
+        server.log_requests = not http.disable_log_requests
+        server.shutdown_delay = http.shutdown_delay
+        server.shutdown_timeout = http.shutdown_timeout
         return server
 
 

@@ -19,7 +19,6 @@ import threading
 import time
 
 from wcache.core.distributed import exit_after_collectives
-from wcache.core.settings import from_flags
 from wcache.engine.core.completion import _End
 from wcache.engine.core.core_messages import (
     AbortRequest,
@@ -45,7 +44,7 @@ from wcache.engine.worker.outputs import PromptScores
 from wcache.engine.worker.runner import RankRunner
 from wcache.engine.worker.sampling import Sampler
 from wcache.engine.core.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
-from wcache.engine.core.settings import EngineSettings
+from wcache.engine.core.settings import CoreSettings
 from wcache.engine.worker.supervisor import Supervisor, start_local_ranks
 from wcache.errors import FRONT_GONE, RespawnError
 
@@ -251,12 +250,12 @@ class EngineCore:
                 last, sent = now, time.monotonic()
 
 
-def run_core(args, loader_config, channel) -> int:
+def run_core(settings: CoreSettings, loader_config, channel) -> int:
     """``run_serve``'s start-up and step loop, with the front on the other end of ``channel``."""
     core = EngineCore(channel)
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
-    plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
-    if getattr(args, "respawn", False) and plan.world_size > 1:  # spares and resumes are one rank's (front_failover.py)
+    plan, specs = rank_specs(settings.engine, loader_config)
+    if settings.respawn and plan.world_size > 1:  # spares and resumes are one rank's (front_failover.py)
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
     core.send(Planned(plan.drives))
     # Nothing loads before the front holds its port: a port already taken stays its one line, and

@@ -70,9 +70,10 @@ def params_of(sampling: Sampling) -> SamplingParams:
 
 
 class Start(_Msg):
-    """The front's first frame: `wcache serve`'s parsed flags (without the API key, the front's)."""
+    """The front's first frame: the engine core's settings (settings.CoreSettings, as core/settings.py's
+    to_data gives them; the core checks them again with from_data). The API key is not among them."""
 
-    flags: dict[str, Any]
+    settings: dict[str, Any]
 
 
 class Proceed(_Msg):

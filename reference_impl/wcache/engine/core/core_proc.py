@@ -1,13 +1,12 @@
 """`wcache serve`'s engine core process: ``python -m wcache.engine.core.core_proc CHANNEL_FD``, started by the
 front (engine/api_server/front.py) as a fresh interpreter (never a fork of the front), with its end of the
-front's socket pair. Its first frame is ``Start``: the parsed flags (as msgpack: no pickle, and not on
-the command line, where ``ps`` shows them). Then the CUDA context is made while torch imports
-(early_context.py), and the engine core runs (engine/core/core_engine.py).
+front's socket pair. Its first frame is ``Start``: its settings (settings.CoreSettings as msgpack: no
+pickle, and not on the command line, where ``ps`` shows them), checked again here. Then the CUDA
+context is made while torch imports (early_context.py), and the engine core runs (engine/core/core_engine.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -15,6 +14,8 @@ import sys
 
 from wcache import logs
 from wcache.core import no_dump
+from wcache.core.settings import from_data
+from wcache.engine.core.settings import CoreSettings
 from wcache.engine.worker import early_context
 from wcache.engine.core.core_messages import ChannelError, Start, core_channel
 from wcache.errors import UserError
@@ -42,16 +43,21 @@ def main(argv: list[str]) -> int:
         return 1
     if not isinstance(start, Start):  # the front is gone before it said what to serve
         return 1
-    args = argparse.Namespace(**start.flags)
-    logs.setup(args.log_level)
-    early_context.start(["serve", "--device", args.device])
+    try:
+        settings = from_data(CoreSettings, start.settings)
+    except ValueError as e:  # a front of another version: say what differs
+        logs.setup()
+        log.error("%s", e)
+        return 1
+    logs.setup(settings.log_level)
+    early_context.start(["serve", "--device", settings.engine.device])
     from wcache.engine.core.core_engine import (
         run_core,  # torch, while the driver makes the context
     )
     from wcache.engine.loading.config import parse_loader_config
 
     try:
-        return run_core(args, parse_loader_config(args.model_loader_extra_config), channel)
+        return run_core(settings, parse_loader_config(settings.model_loader_extra_config), channel)
     except UserError as e:
         log.error("%s", e)
         return 2

@@ -62,7 +62,8 @@ from wcache.engine.core.failover_policy import (  # noqa: F401 (the supervisor's
     STABLE_S,
     cause,
 )
-from wcache.engine.api_server.drain import SHUTDOWN_DELAY_S, SHUTDOWN_TIMEOUT_S  # the standard library only
+from wcache.core.settings import from_data, to_data
+from wcache.engine.api_server.settings import HttpSettings, ServeSettings  # the drain's and policy's modules, no more
 from wcache.engine.respawn.reception import Reception, answer_503
 from wcache.errors import RespawnError
 
@@ -112,14 +113,14 @@ class Worker:
     """One engine worker process, the two pipes it is driven by (JSON lines, no pickle) and the
     socket its connections are handed over (engine/respawn/handoff.py)."""
 
-    def __init__(self, args, metrics_dir: str | None = None):
+    def __init__(self, settings: ServeSettings, metrics_dir: str | None = None):
         control_r, self.control = os.pipe()
         self.status, status_w = os.pipe()
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.channel.settimeout(2.0)  # a send to a stopped worker does not hold the supervisor long
         self.frames = handoff.FrameReader(self.channel)
-        spec = {"args": vars(args), "handoff_fd": theirs.fileno(), "control_fd": control_r, "status_fd": status_w,
-                "parent_pid": os.getpid(), "log_level": args.log_level}
+        spec = {"settings": to_data(settings), "handoff_fd": theirs.fileno(), "control_fd": control_r,
+                "status_fd": status_w, "parent_pid": os.getpid()}
         env = dict(os.environ, **{SPARE_ENV: json.dumps(spec)})
         if metrics_dir:  # every worker adds to the same counters: they outlive a worker (engine/api_server/metrics.py)
             env[metrics.MULTIPROC_ENV] = metrics_dir
@@ -188,8 +189,8 @@ class Worker:
 
 
 class RespawnSupervisor:
-    def __init__(self, args, sock: socket.socket, front_door: dict):
-        self.args, self.sock = args, sock
+    def __init__(self, settings: ServeSettings, sock: socket.socket, front_door: dict):
+        self.settings, self.sock = settings, sock
         self.reception = Reception(sock, front_door["limits"], front_door["responses"])
         self.serving: Worker | None = None
         self.spare: Worker | None = None
@@ -200,11 +201,11 @@ class RespawnSupervisor:
         self.spare_at: float | None = None  # when to start the next spare
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
-        self.heartbeat_timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
+        self.heartbeat_timeout = settings.respawn_heartbeat_timeout
         self.metrics_dir = metrics.make_dir("wcache-metrics-")  # the workers' counters (engine/api_server/metrics.py)
 
     def _worker(self) -> Worker:
-        return Worker(self.args, self.metrics_dir)
+        return Worker(self.settings, self.metrics_dir)
 
     def workers(self) -> list[Worker]:
         return [w for w in (self.serving, self.spare) if w is not None]
@@ -213,7 +214,7 @@ class RespawnSupervisor:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.serving = self._worker()
-            log.info(STARTED.format(pid=os.getpid(), host=self.args.host, port=self.args.port, worker=self.serving.pid))
+            log.info(STARTED.format(pid=os.getpid(), host=self.settings.http.host, port=self.settings.http.port, worker=self.serving.pid))
             # The first worker answers /health 503 while it loads, as a plain `wcache serve` does.
             self.serving.promote(answer_while_loading=True)
             return self._loop()
@@ -373,8 +374,7 @@ class RespawnSupervisor:
         workers = self.workers()
         for w in workers:
             w.signal(signal.SIGTERM)
-        drain_s = getattr(self.args, "shutdown_delay", SHUTDOWN_DELAY_S) + getattr(self.args, "shutdown_timeout",
-                                                                                  SHUTDOWN_TIMEOUT_S)
+        drain_s = self.settings.http.shutdown_delay + self.settings.http.shutdown_timeout
         deadline = time.monotonic() + drain_s + STOP_GRACE_S
         # The supervisor holds the connections: it goes on handing requests to the draining worker
         # (which answers /health 503 and serves what comes during --shutdown-delay) until it exits.
@@ -398,22 +398,20 @@ class RespawnSupervisor:
         self.serving = self.spare = None
 
 
-def run_respawn(args, loader_config) -> int:
+def run_respawn(settings: ServeSettings, loader_config) -> int:
     """``wcache serve --respawn``: check what a plain serve checks (torch and the engine imported),
     listen, then replace this process's image with the small supervisor (``main``), same pid."""
-    from wcache.core.settings import from_flags
     from wcache.engine.core.engine import rank_specs
-    from wcache.engine.core.settings import EngineSettings
 
-    plan, _ = rank_specs(from_flags(EngineSettings, args), loader_config)
+    plan, _ = rank_specs(settings.engine, loader_config)
     if plan.world_size > 1:
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
-    sock = listen(args.host, args.port)
-    exec_supervisor(args, sock, front_door(args))
+    sock = listen(settings.http.host, settings.http.port)
+    exec_supervisor(settings, sock, front_door(settings.http))
     return 1  # not reached: exec does not return
 
 
-def front_door(args) -> dict:
+def front_door(http: HttpSettings) -> dict:
     """The front door's limits and the answers the supervisor gives itself (a 503 while busy or
     while the first worker loads), rendered with the engine's own texts before the exec."""
     import dataclasses
@@ -422,7 +420,7 @@ def front_door(args) -> dict:
     from wcache.engine.api_server import http_front, server
     from wcache.errors import BUSY_MESSAGE, LOADING
 
-    working = getattr(args, "max_concurrent_connections", server.DEFAULT_LIMITS.max_connections)
+    working = http.max_concurrent_connections
     limits = dataclasses.asdict(server.Limits(max_connections=working)) | {"max_body": server.MAX_BODY_BYTES}
     # The supervisor holds every connection, working or waiting: the front door's two budgets together.
     limits["max_connections"] = working + limits.get("max_waiting_connections", 0)
@@ -437,10 +435,10 @@ def front_door(args) -> dict:
         "error_type": "InternalServerError"}}  # vLLM's type for a 500
 
 
-def exec_supervisor(args, sock: socket.socket, door: dict) -> None:
+def exec_supervisor(settings: ServeSettings, sock: socket.socket, door: dict) -> None:
     """``exec`` ``python -m wcache.engine.respawn.respawn`` with the listening socket (inherited by number)."""
     os.set_inheritable(sock.fileno(), True)
-    spec = {"args": vars(args), "listen_fd": sock.fileno(), "log_level": args.log_level, "front_door": door}
+    spec = {"settings": to_data(settings), "listen_fd": sock.fileno(), "front_door": door}
     env = dict(os.environ, **{SUPERVISOR_ENV: json.dumps(spec)})
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -453,16 +451,14 @@ def main() -> int:
     """The supervisor after the exec: the standard library, wcache.errors and wcache.logs only."""
     no_dump.forbid()  # the exec set the flag back; the listening socket and the API key: see core/no_dump.py
     spec = json.loads(os.environ.pop(SUPERVISOR_ENV))
-    logs.setup(spec["log_level"])
-    import argparse  # the Namespace the workers' spec is built from, as before the exec
-
-    args = argparse.Namespace(**spec["args"])
+    settings = from_data(ServeSettings, spec["settings"])  # checked again: the exec'd image is a new program
+    logs.setup(settings.core.log_level)
     sock = socket.socket(fileno=spec["listen_fd"])
     os.set_inheritable(sock.fileno(), False)  # only the supervisor accepts (engine/respawn/reception.py)
     door = spec["front_door"]
     responses = {k: (handoff.decode(v) if k != "error_type" else v) for k, v in door["responses"].items()}
     try:
-        return RespawnSupervisor(args, sock, {"limits": door["limits"], "responses": responses}).run()
+        return RespawnSupervisor(settings, sock, {"limits": door["limits"], "responses": responses}).run()
     except KeyboardInterrupt:
         return 130
 

@@ -9,16 +9,15 @@ Promotion then only sizes and allocates the KV cache (runner.finish) and starts 
 ``ipc_cache`` copy mode cannot do this: the serving worker had the daemon release the weights, so
 the spare waits cold (imports only) and loads after promotion, as it says in its log.
 
-Started as ``python -m wcache.engine.respawn.spare`` with its settings as JSON in ``WCACHE_SPARE_SPEC``: the
-``wcache serve`` arguments, and three inherited descriptors: the listening socket, a control
-pipe it reads its promotion from and a status pipe it writes its progress to (one JSON object a
-line, no pickle). Once promoted it runs ``wcache serve``'s own start-up (engine.run_serve) with
+Started as ``python -m wcache.engine.respawn.spare`` with its settings as JSON in ``WCACHE_SPARE_SPEC``:
+``wcache serve``'s settings (api_server/settings.py's ServeSettings, checked again here), and three
+inherited descriptors: the listening socket, a control pipe it reads its promotion from and a status
+pipe it writes its progress to (one JSON object a line, no pickle). Once promoted it runs ``wcache serve``'s own start-up (engine.run_serve) with
 the inherited socket: the same loaders, memory plan and autotune as a plain ``wcache serve``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -41,11 +40,13 @@ from wcache.engine.loading.config import parse_loader_config  # noqa: E402
 from wcache.engine.loading.lease import CacheLease  # noqa: E402,F401
 from wcache.engine.respawn.handed import HandedConnections  # noqa: E402
 from wcache.engine.respawn.heartbeat import Heartbeat  # noqa: E402
-from wcache.engine.respawn.respawn import BEAT_S, HEARTBEAT_TIMEOUT_S, SPARE_ENV  # noqa: E402
+from wcache.engine.respawn.respawn import BEAT_S, SPARE_ENV  # noqa: E402
 from wcache.core.process_memory import process_device_bytes  # noqa: E402
 from wcache.engine.worker.memory import format_bytes  # noqa: E402
 from wcache.engine.worker.runner import RankRunner, die_with_parent  # noqa: E402
 from wcache.engine.api_server.served import ServedModel  # noqa: E402
+from wcache.engine.api_server.settings import ServeSettings  # noqa: E402
+from wcache.core.settings import from_data  # noqa: E402
 from wcache.engine.api_server.server import EngineServer  # noqa: E402,F401
 from wcache.engine.worker.supervisor import Supervisor  # noqa: E402,F401
 from wcache.errors import UserError  # noqa: E402
@@ -146,19 +147,17 @@ class ReservePhases:
         return list(self.held.values())[-1] if self.held else None
 
 
-def prepare(args, at_once: bool):
+def prepare(settings: ServeSettings, at_once: bool):
     """(the prepared rank, its status fields) of a hot spare, or (None, fields) for a cold one."""
-    from wcache.core.settings import from_flags
     from wcache.engine.core.engine import rank_specs
-    from wcache.engine.core.settings import EngineSettings
 
-    loader_config = parse_loader_config(args.model_loader_extra_config)
-    if args.load_format == "ipc_cache" and loader_config.mode == "copy":
+    loader_config = parse_loader_config(settings.core.model_loader_extra_config)
+    if settings.engine.load_format == "ipc_cache" and loader_config.mode == "copy":
         log.info(SPARE_COLD_COPY.format(pid=os.getpid()))
         return None, {"warm": False, "cold": "copy mode"}
     t0 = time.monotonic()
     try:
-        plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
+        plan, specs = rank_specs(settings.engine, loader_config)
         runner = RankRunner.from_spec(specs[0])
         if len(specs) > 1 or not plan.drives or runner.world.size > 1:
             log.info(SPARE_COLD_FAILED.format(pid=os.getpid(), error="an engine of several ranks"))
@@ -193,12 +192,12 @@ def prepare(args, at_once: bool):
 def main() -> int:
     no_dump.forbid()  # the listening socket's hand-offs, then the weights: see core/no_dump.py
     spec = json.loads(os.environ.pop(SPARE_ENV))
-    logs.setup(spec["log_level"])
+    settings = from_data(ServeSettings, spec["settings"])  # checked again: another process, maybe another version
+    logs.setup(settings.core.log_level)
     die_with_parent(spec["parent_pid"])
     warm_up()
     status = os.fdopen(spec["status_fd"], "w", buffering=1)
     control = os.fdopen(spec["control_fd"], "r")
-    args = argparse.Namespace(**spec["args"])
     cuda = torch.cuda.is_initialized()  # False: is_initialized() itself creates nothing
     seconds = time.monotonic() - T0
     waiting = select.select([control], [], [], 0)[0]
@@ -206,7 +205,7 @@ def main() -> int:
     # The supervisor answers /health until a worker is ready: it says "waiting" as this one's would.
     cache_wait.subscribe(lambda body: tell(status, event="waiting", health=body))
     try:
-        runner, fields = prepare(args, at_once=bool(waiting))
+        runner, fields = prepare(settings, at_once=bool(waiting))
     except UserError as e:  # a configuration error: the promotion reports it as a plain start would
         if waiting:  # the first worker's own start failed: report it once, as a plain start does
             log.error("%s", e)
@@ -214,7 +213,8 @@ def main() -> int:
         runner, fields = None, {"warm": False, "cold": "prepare failed"}
         log.warning(SPARE_COLD_FAILED.format(pid=os.getpid(), error=e))
     try:
-        served = ServedModel.from_args(args)  # read and compiled while waiting, not after the promotion
+        # Read and compiled while waiting, not after the promotion.
+        served = ServedModel.from_settings(settings.model, settings.api)
     except UserError:
         served = None  # the promotion builds it again and stops with its error, as a plain start would
     tell(status, event="spare", pid=os.getpid(), import_s=round(seconds, 3), cuda_initialized=cuda, **fields)
@@ -229,7 +229,7 @@ def main() -> int:
     # Connections come from the supervisor (engine/respawn/handed.py), never from a listening socket: the
     # server listens on a private loopback port that nobody is told, so its accept never fires.
     sock = socket.create_server(("127.0.0.1", 0))
-    timeout = float(getattr(args, "respawn_heartbeat_timeout", None) or HEARTBEAT_TIMEOUT_S)
+    timeout = settings.respawn_heartbeat_timeout
     heartbeat = Heartbeat(lambda: tell(status), BEAT_S, stall_s=timeout / 2)
 
     def on_ready(engine, server) -> None:
@@ -241,7 +241,7 @@ def main() -> int:
         heartbeat.start()
 
     try:
-        return run_serve(args, parse_loader_config(args.model_loader_extra_config), sock=sock,
+        return run_serve(settings, parse_loader_config(settings.core.model_loader_extra_config), sock=sock,
                          answer_while_loading=order["answer_while_loading"], on_ready=on_ready,
                          prepared=runner, served=served)
     except UserError as e:
