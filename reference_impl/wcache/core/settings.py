@@ -3,7 +3,7 @@
 The command line (cli/) and the launchers' entry points (the ``--respawn`` supervisor and its spare,
 which get the flags back from a JSON spec) are the only code that holds argparse's namespace. Each
 turns it, once, into the frozen settings dataclasses the layers below take (``core.ranks.
-ParallelSettings``, ``daemon.seed.SeedSettings``, ``daemon.launcher.PreloadSettings``,
+ParallelSettings``, ``daemon.seed_settings.SeedSettings``, ``daemon.launcher.PreloadSettings``,
 ``engine.settings.EngineSettings``, ``bench.settings.BenchSettings``). A field is named after the
 flag's destination (``--weight-cache-seed-token`` -> ``weight_cache_seed_token``), so a new flag
 reaches the code by adding a field of its name; a field whose flag a command does not have keeps its
