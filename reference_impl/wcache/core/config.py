@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from wcache.core import checkpoint_files, llama_config
 from wcache.core.device import cuda_available, cuda_device_count
-from wcache.model import quant
 from wcache.errors import DeviceError
+from wcache.model import quant
 
 if TYPE_CHECKING:
     import torch

@@ -143,6 +143,7 @@ class Fp8Online(QuantMethod):
 
     def stored_shapes(self, out_f, in_f, dtype):
         import torch
+
         from wcache.model import fp8
 
         return {"weight": ((out_f, in_f), fp8.FP8), "weight_scale": ((out_f,), torch.float32)}
@@ -235,6 +236,7 @@ class Fp8BlockCheckpoint(QuantMethod):
         """The checks split_rows, split_cols and process make, on meta tensors of layer 0's shapes
         and in their order, so a layout that loading would refuse is refused before it starts."""
         import torch
+
         from wcache.model import fp8
 
         h, inter, hd = hf["hidden_size"], hf["intermediate_size"], hf["head_dim"]
@@ -297,6 +299,7 @@ class Fp8BlockCheckpoint(QuantMethod):
 
     def stored_shapes(self, out_f, in_f, dtype):
         import torch
+
         from wcache.model import fp8
 
         return {"weight": ((out_f, in_f), fp8.FP8),
