@@ -42,3 +42,22 @@ def test_the_driver_answers_as_torch_does_without_nvml():
     assert got["answers"] == got["torch"]
     assert got["torch_initialised"] is False  # the answers did not need torch's CUDA
     assert got["nvml"] is False, "a device question loaded NVML"
+
+
+def test_the_launcher_resolves_auto_to_cuda_and_names_the_gpu_without_torch(tmp_path, wcache_env, tiny_model):
+    # `wcache preload`'s launcher imports no torch (each replica of a fan-out paid a second import):
+    # --device auto and the socket's name come from the driver (core/device.py).
+    import re
+    from pathlib import Path
+
+    from procs import Processes, child_pids
+
+    p = Processes(tmp_path, wcache_env, device="auto")
+    try:
+        daemon = p.preload(tiny_model)
+        assert re.search(r"into a (cuda_ipc|vmm_fd) arena", daemon.log())  # auto resolved to cuda
+        assert "libtorch" not in Path(f"/proc/{daemon.pid}/maps").read_text()
+        ranks = child_pids(daemon.pid)
+        assert ranks and all("libtorch" in Path(f"/proc/{r}/maps").read_text() for r in ranks)
+    finally:
+        p.stop_all()

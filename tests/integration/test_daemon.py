@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,14 @@ def assert_serving(sock) -> None:
 def test_ready_line_and_health(daemon, sock, health_port):
     assert "Weight cache daemon READY (1 rank(s) in " in daemon.log() and str(sock) in daemon.log()
     assert http("GET", f"http://127.0.0.1:{health_port}/health") == (200, {"status": "ready"})
+
+
+def test_the_launcher_maps_no_torch_and_its_rank_does(daemon):
+    # The launcher only plans and starts ranks: importing torch there cost every replica of a
+    # fan-out about 2 s of CPU on a 2-core host (docs/benchmarks.md, weight seeding). Its maps, once
+    # READY, show whether torch was ever loaded (a shared library is never unloaded).
+    assert "libtorch" not in Path(f"/proc/{daemon.pid}/maps").read_text()
+    assert all("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in rank_pids(daemon.pid))
 
 
 def test_socket_is_0600_in_a_private_0700_dir(sock):

@@ -88,7 +88,8 @@ def test_a_standby_waits_warm_and_touches_nothing(procs, tiny_model, wcache_env)
     standby = procs.preload(tiny_model, *STANDBY, "--weight-cache-health-port", str(health), ready=False)
     standby.wait_for_log(STANDING_BY.format(path=sock), timeout=120)
     [rank] = rank_pids(standby.pid)
-    assert imported_torch(rank) and imported_torch(standby.pid)  # the interpreter and torch are paid
+    # the rank has paid its interpreter and torch; its launcher, which only plans and waits, imports no torch
+    assert imported_torch(rank) and not imported_torch(standby.pid)
     with pytest.raises(ConnectionRefusedError):  # its health port is not bound yet
         socket.create_connection(("127.0.0.1", health), timeout=5).close()
     lock = Path(str(sock) + ".lock")

@@ -12,10 +12,9 @@ from wcache.core.checkpoint import (
     PRESETS,
     hf_config,
     make_checkpoint,
-    read_config,
-    shard_files,
     tensor_shapes,
 )
+from wcache.core.checkpoint_files import read_config, shard_files
 
 TINY_FILES = {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
               "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
@@ -118,7 +117,7 @@ def test_small_preset_is_about_500_mb():
 def test_unknown_preset_and_missing_config_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Unknown preset 'huge'; choose one of \["):
         make_checkpoint(tmp_path / "x", "huge")
-    from wcache.core.checkpoint import CheckpointError
+    from wcache.core.checkpoint_files import CheckpointError
 
     with pytest.raises(CheckpointError, match="No config.json in .*: not a model directory"):
         read_config(tmp_path)

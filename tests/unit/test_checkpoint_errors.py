@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from wcache.core.checkpoint import CheckpointError
+from wcache.core.checkpoint_files import CheckpointError
 from wcache.cli import main
 from wcache.core.fingerprint import _hash_file
 

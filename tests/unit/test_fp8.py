@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from wcache.core.checkpoint import CheckpointError, make_checkpoint, shard_files
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.checkpoint_files import CheckpointError, shard_files
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.core.fingerprint import cache_key, mismatched_fields

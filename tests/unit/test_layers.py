@@ -77,6 +77,18 @@ def test_the_wire_format_imports_no_torch():
     assert out.strip() == "False"
 
 
+def test_the_daemon_launcher_imports_no_torch_nor_the_model():
+    # `wcache preload`'s launcher plans and starts ranks; only a rank needs torch. Each replica of a
+    # fan-out on a 2-core host paid about 2 s of CPU for a second import (docs/benchmarks.md).
+    import subprocess
+    import sys
+
+    code = ("import sys, wcache.daemon.launcher; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'safetensors', 'numpy', 'tokenizers') or m == 'wcache.model.llama'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def module_imports(root: Path, package: str) -> dict[str, set[str]]:
     """For every module under ``root`` (the directory of ``package``): the package's modules it
     imports, at module level or inside functions. Importing ``a.b.c`` runs ``a.b``'s ``__init__``

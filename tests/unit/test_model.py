@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from wcache.core.checkpoint import read_config, shard_files
+from wcache.core.checkpoint_files import read_config, shard_files
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.disk import load_processed
 from wcache.model.llama import (

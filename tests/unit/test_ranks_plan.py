@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from wcache.core import ranks, speculative
 import prompt_ids as tokenizer
-from wcache.core.checkpoint import make_checkpoint, shard_files
+from wcache.core.checkpoint import make_checkpoint
+from wcache.core.checkpoint_files import shard_files
 from wcache.cli import build_parser, main
 from wcache.core.config import EngineConfig
 from wcache.core.disk import load_processed

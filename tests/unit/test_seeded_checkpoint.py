@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 from wcache.core import seeded_checkpoint
-from wcache.core.checkpoint import CheckpointError
+from wcache.core.checkpoint_files import CheckpointError
 from wcache.core.fingerprint import checkpoint_digest
 
 

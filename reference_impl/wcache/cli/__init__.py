@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         early_context.start(argv)
     if command != "preload" or {"-h", "--help"} & set(argv):
         return _main(argv, command)
-    # The first daemon rank imports torch while this process does (building the preload flags
-    # imports it already): see daemon/prewarm.py. A rank not handed its spec is killed on the way out.
+    # The first daemon rank imports torch while this process imports and plans (without torch):
+    # see daemon/prewarm.py. A rank not handed its spec is killed on the way out.
     from wcache.daemon import prewarm
 
     prewarm.start()

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wcache.core import checkpoint_tokenizer, llama_config, shard_header
+from wcache.core import checkpoint_tokenizer, llama_config
+from wcache.core.checkpoint_files import DTYPE_NAMES
 from wcache.model import fp8
 from wcache.model.quant import Fp8BlockCheckpoint
-from wcache.errors import CHECKPOINT_UNUSABLE, QuantizationError, UserError
+from wcache.errors import QuantizationError
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ PRESETS: dict[str, Preset] = {
     "qwen3-8b": Preset(4096, 12288, 36, 32, 8, 151936, 40960, 1000000.0, 5 << 30, model_type="qwen3", head_dim=128),
 }
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the torch type of each compute dtype
 QUANTIZATIONS = ("none", "fp8")  # what make-checkpoint writes: fp8 = transformers' block-wise layout
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -270,68 +271,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-class CheckpointError(UserError):
-    pass
-
-
-def read_config(model_dir: str | os.PathLike) -> dict:
-    """config.json with every field the engine reads resolved (llama_config.normalize), or a refusal."""
-    path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        what = "no such directory" if not Path(model_dir).exists() else "not a directory"
-        raise CheckpointError(f"Model directory {model_dir}: {what}")
-    if not path.is_file():
-        raise CheckpointError(f"No config.json in {model_dir}: not a model directory")
-    try:
-        raw = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return llama_config.normalize(raw, path)
-
-
-# safetensors header dtypes -> the names config.json uses
-STORED_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
-
-
-def stored_dtype(model_dir: str | os.PathLike) -> str | None:
-    """The dtype of the first floating-point tensor of the first shard, read from its header: what
-    transformers takes when config.json names no dtype."""
-    path = shard_files(model_dir)[0]
-    try:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"Cannot read the safetensors header of {path}: {e}") from None
-    for name, entry in header.items():
-        # FP8 checkpoints keep float32 block scales beside FP8 weights: the scales say nothing.
-        if name != "__metadata__" and entry["dtype"] in STORED_DTYPES and not name.endswith("_scale_inv"):
-            return STORED_DTYPES[entry["dtype"]]
-    return None
-
-
-def shard_files(model_dir: str | os.PathLike, whole: bool = True) -> list[Path]:
-    """The checkpoint's safetensors files, sorted; the index (when present) must agree. Each is a
-    whole safetensors file (core/shard_header.py), unless ``whole`` is False: the checkpoint's digest
-    hashes the bytes as they are, and the load that follows it checks them."""
-    d = Path(model_dir)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [d / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"Shards listed in {index} are missing: {missing}")
-    else:
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"No *.safetensors files in {model_dir}")
-    for f in files if whole else ():
-        try:
-            shard_header.check_shard(f)
-        except (shard_header.BadShard, OSError) as e:
-            raise CheckpointError(CHECKPOINT_UNUSABLE.format(model=model_dir, why=e)) from None
-    return files

@@ -1,19 +1,27 @@
-"""The engine configuration that the daemon and the engine build identically from the same flags."""
+"""The engine configuration that the daemon and the engine build identically from the same flags.
+
+Built without torch: `wcache preload`'s launcher builds it to plan the ranks, and only its ranks
+import torch (each replica of a fan-out paid about 2 s of CPU for that import on a 2-core host). The
+torch-typed views (``dtype``, ``torch_device``, ``shape``) import it when first asked, in a rank.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from wcache.core import checkpoint, llama_config
-from wcache.core.device import cuda_device_count
-from wcache.model import quant
+from wcache.core import checkpoint_files, llama_config
+from wcache.core.device import cuda_available, cuda_device_count
 from wcache.errors import DeviceError
-from wcache.model.llama import ModelShape
+from wcache.model import quant
 
-DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
+if TYPE_CHECKING:
+    import torch
+
+    from wcache.model.llama import ModelShape
+
+DTYPE_CHOICES = ["auto", *checkpoint_files.DTYPE_NAMES]
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,8 @@ class Ranks:
 
 def resolve_device(choice: str) -> str:
     if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
+        return "cuda" if cuda_available() else "cpu"
+    if choice == "cuda" and not cuda_available():
         raise DeviceError(DeviceError.NO_CUDA)
     if choice not in ("cuda", "cpu"):
         raise ValueError(f"Unknown device {choice!r}; choose auto, cuda or cpu")
@@ -51,7 +59,7 @@ def resolve_device(choice: str) -> str:
 class EngineConfig:
     model: str
     hf: dict = field(repr=False)
-    dtype: torch.dtype
+    dtype_name: str  # one of checkpoint_files.DTYPE_NAMES; ``dtype`` is its torch type
     quant: quant.QuantMethod = field(repr=False)
     device: str = "cpu"
     ranks: Ranks = Ranks()
@@ -60,12 +68,12 @@ class EngineConfig:
     @classmethod
     def build(cls, model: str, dtype: str = "auto", quantization: str | None = None, device: str = "auto",
               ranks: Ranks = Ranks(), revision: str | None = None) -> "EngineConfig":
-        hf = checkpoint.read_config(model)
-        name = (llama_config.auto_dtype(hf, Path(model) / "config.json", lambda: checkpoint.stored_dtype(model))
+        hf = checkpoint_files.read_config(model)
+        name = (llama_config.auto_dtype(hf, Path(model) / "config.json", lambda: checkpoint_files.stored_dtype(model))
                 if dtype == "auto" else dtype)
-        if name not in checkpoint.DTYPES:
+        if name not in checkpoint_files.DTYPE_NAMES:
             raise ValueError(f"Unsupported dtype {name!r}; choose one of {DTYPE_CHOICES}")
-        return cls(model=str(model), hf=hf, dtype=checkpoint.DTYPES[name], quant=quant.resolve(quantization, hf, str(Path(model) / "config.json")),
+        return cls(model=str(model), hf=hf, dtype_name=name, quant=quant.resolve(quantization, hf, str(Path(model) / "config.json")),
                    device=resolve_device(device), ranks=ranks, revision=revision or "main")
 
     @classmethod
@@ -78,16 +86,23 @@ class EngineConfig:
         return replace(self, ranks=ranks)
 
     @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
     def shape(self) -> ModelShape:
+        from wcache.model.llama import ModelShape
+
         r = self.ranks
         return ModelShape.from_config(self.hf, tp_size=r.tp_size, pp_size=r.pp_size, pp_rank=r.pp_rank)
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "cuda":
             return torch.device("cuda", self.ranks.local_rank % max(cuda_device_count(), 1))
         return torch.device("cpu")
 
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")

@@ -4,6 +4,10 @@ On CUDA it is the GPU's UUID, so the socket follows the physical GPU whatever CU
 says. On CPU it is the host's boot id plus the local rank: stable while the host runs, the same in
 every container on the host (they share the kernel), and distinct per rank so several CPU "ranks"
 can share one machine.
+
+Asked of the CUDA driver (ctypes), not of torch: `wcache preload`'s launcher names its ranks'
+sockets and resolves ``--device auto`` without importing torch. torch answers only where the driver
+cannot, imported then.
 """
 
 from __future__ import annotations
@@ -11,8 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
-
-import torch
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR (cuda.h)
@@ -40,7 +42,22 @@ def cuda_device_count() -> int:
     try:
         return _driver_device_count()
     except (OSError, AttributeError):
+        import torch
+
         return torch.cuda.device_count()
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available()'s answer. A driver that does not load, initialise or count gives
+    torch no device either (it works through the same driver)."""
+    try:
+        return _driver_device_count() > 0
+    except OSError:
+        return False
+    except AttributeError:
+        import torch
+
+        return torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,6 +86,8 @@ def _cuda_device(index: int) -> tuple[str, str]:
     try:
         return _from_driver(index)
     except (OSError, AttributeError):
+        import torch
+
         props = torch.cuda.get_device_properties(index)
         return torch_identity(props), f"sm_{props.major}{props.minor}"
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from wcache.core import checkpoint, fp8_check
+from wcache.core import checkpoint_files, fp8_check
 from wcache.core.config import EngineConfig
 from wcache.core.postprocess import ProcessedWeights, needed_checkpoint_names, postprocess
 
@@ -20,7 +20,7 @@ def read_checkpoint(cfg: EngineConfig, show_progress: bool = True) -> dict[str, 
     wanted = set(needed_checkpoint_names(cfg.shape, cfg.quant))
     device = str(cfg.torch_device)
     raw: dict[str, torch.Tensor] = {}
-    files = checkpoint.shard_files(cfg.model)  # each a whole safetensors file (core/shard_header.py)
+    files = checkpoint_files.shard_files(cfg.model)  # each a whole safetensors file (core/shard_header.py)
     fp8_check.check(cfg.model, files, cfg.quant)  # before any tensor is read onto the device
     for path in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=not show_progress):
         with safe_open(str(path), framework="pt", device=device) as f:
@@ -31,7 +31,7 @@ def read_checkpoint(cfg: EngineConfig, show_progress: bool = True) -> dict[str, 
                     raw[name] = f.get_tensor(name)
     missing = sorted(wanted - set(raw))
     if missing:
-        raise checkpoint.CheckpointError(f"Checkpoint {cfg.model} lacks tensors: {missing[:5]}")
+        raise checkpoint_files.CheckpointError(f"Checkpoint {cfg.model} lacks tensors: {missing[:5]}")
     return raw
 
 

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from wcache import PROTOCOL_VERSION, __version__
-from wcache.core import checkpoint, seeded_checkpoint
+from wcache.core import checkpoint_files, seeded_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_arch
 
@@ -88,7 +88,7 @@ def _hash_file(path: Path) -> tuple[str, os.stat_result | None]:
     try:
         f = open(path, "rb", buffering=0)
     except OSError as e:
-        raise checkpoint.CheckpointError(f"Cannot read checkpoint file {path}: {e.strerror}") from None
+        raise checkpoint_files.CheckpointError(f"Cannot read checkpoint file {path}: {e.strerror}") from None
     with f:
         try:
             os.fsync(f.fileno())  # dirty pages to disk, their mappings write-protected again
@@ -131,7 +131,7 @@ def checkpoint_digest(model_dir: str | os.PathLike, rehash: bool = False,
         if entries is not None:
             entries.update(files)
         return digest, stats
-    files = checkpoint.shard_files(model_dir, whole=False) + [model_dir / "config.json"]
+    files = checkpoint_files.shard_files(model_dir, whole=False) + [model_dir / "config.json"]
     memo_file = _memo_path(model_dir)
     try:
         memo = json.loads(memo_file.read_text())

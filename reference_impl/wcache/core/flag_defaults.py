@@ -1,7 +1,8 @@
 """The choices and defaults `wcache serve`'s flags show, without torch.
 
-Their owners (core/config.py, model/quant.py, engine/worker/runner.py, core/ranks.py) import torch, and
-`wcache serve`'s front process parses its flags without it (engine/api_server/core_client.py): the values are
+Their owners (core/config.py, model/quant.py, engine/worker/runner.py, core/ranks.py) are modules the
+front need not load (runner.py imports torch; the others, the engine's configuration), and `wcache serve`'s
+front process parses its flags without them (engine/api_server/core_client.py): the values are
 written here once more, and tests/unit/test_flag_defaults.py proves each equals its owner's.
 """
 

@@ -7,19 +7,21 @@ positive: a weight is its FP8 value times its block's scale. Anything else eithe
 serves: NaN, inf, zero or negative scales answer with degenerate tokens, and integer scales are
 read as numbers they are not. So ``check`` reads the shards' headers for the types and then the
 scales, which are small, on the CPU for their values, and refuses the first wrong tensor by name
-and file. `wcache serve`, the daemon's launcher and each rank's disk load call it.
+and file. `wcache serve`, the daemon's launcher and each rank's disk load call it; torch and
+safetensors are imported only for an FP8 checkpoint (the launcher of any other imports no torch).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING
 
 from wcache.core import shard_header
 from wcache.errors import QuantizationError
 from wcache.model.quant import Fp8BlockCheckpoint, QuantMethod
+
+if TYPE_CHECKING:
+    import torch
 
 SCALE = "_scale_inv"
 WEIGHT_DTYPE, SCALE_DTYPE = "F8_E4M3", "F32"
@@ -44,6 +46,8 @@ def check(model_dir: str, files: list[Path], quant: QuantMethod) -> None:
                         headers[where[weight]][weight]["dtype"])
         scales = [n for n in tensors if n.endswith(SCALE)]
         if scales:
+            from safetensors import safe_open
+
             with safe_open(str(f), framework="pt", device="cpu") as opened:
                 for name in scales:
                     _check_values(model_dir, name, f, opened.get_tensor(name))
@@ -55,6 +59,8 @@ def _tensors(path: Path) -> dict[str, dict]:
 
 
 def _check_values(model_dir: str, name: str, path: Path, scale: torch.Tensor) -> None:
+    import torch
+
     bad = ~(torch.isfinite(scale) & (scale > 0))
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])

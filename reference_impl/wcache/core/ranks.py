@@ -71,7 +71,7 @@ SPEC_SOCKET_PATH = ("socket_path cannot be combined with a cached speculative dr
 
 def check_draft(spec: SpecConfig, target_hf: dict, tp: int, pp: int) -> dict:
     """The draft's config.json, after checking that it fits the target's layout."""
-    from wcache.core.checkpoint import read_config
+    from wcache.core.checkpoint_files import read_config
 
     if pp > 1:
         raise ParallelConfigError(SPEC_PP)

@@ -2,7 +2,7 @@
 
 The command line (cli/) is the only code that holds argparse's namespace. It turns it, once, into
 the frozen settings dataclasses the layers below take (``ParallelSettings`` below,
-``daemon.seed.SeedSettings``, ``daemon.launcher.PreloadSettings``, ``engine.core.settings.
+``daemon.seed_settings.SeedSettings``, ``daemon.launcher.PreloadSettings``, ``engine.core.settings.
 EngineSettings`` and ``CoreSettings``, ``engine.api_server.settings.ServeSettings``,
 ``bench.settings.BenchSettings``). A process started with settings (the engine core, a ``--respawn``
 supervisor or worker) gets them as data (``to_data``: JSON or msgpack, never pickle) and checks them

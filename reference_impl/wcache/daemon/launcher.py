@@ -1,6 +1,8 @@
 """`wcache preload`: plan the local ranks, start one daemon process per rank, report readiness.
 
-The launcher itself holds no weights. It starts each rank as a fresh interpreter, waits for every
+The launcher itself holds no weights, and imports no torch (nor the model): only its ranks need
+them, and on a small host every replica that imported torch twice paid its CPU twice
+(tests/integration/test_daemon.py checks the launcher's maps). It starts each rank as a fresh interpreter, waits for every
 rank's "serving" line on a private pipe, logs ``Weight cache daemon READY`` and answers
 ``GET /health`` (200 only while every rank serves). A rank that dies during startup takes the
 group down with its exit code; SIGINT/SIGTERM stops every rank, and each removes its socket.
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from wcache.core import checkpoint, fp8_check, seeded_checkpoint
+from wcache.core import checkpoint_files, fp8_check, seeded_checkpoint
 from wcache.core.config import EngineConfig, Ranks
 from wcache.core.device import device_identity
 from wcache.core.ranks import ParallelSettings, plan_daemons
@@ -34,7 +36,7 @@ from wcache.core.settings import ModelSettings
 from wcache.core.stop_flag import StopFlag
 from wcache.daemon import prewarm
 from wcache.daemon.metrics import LauncherMetrics
-from wcache.daemon.seed import SeedSettings, preload_seed_settings
+from wcache.daemon.seed_settings import SeedSettings, preload_seed_settings
 from wcache.errors import (
     STANDBY_STOPPED,
     STANDING_BY,
@@ -208,7 +210,7 @@ def run_preload(settings: PreloadSettings) -> int:
     # Broken shards and FP8 values stop the launcher with their own line, before any rank starts. A
     # replica without shards that seeds its weights has none to check: the seed's digests check them.
     if seeded_checkpoint.has_shards(Path(cfg.model)) or not settings.seeding.weight_cache_seed:
-        fp8_check.check(cfg.model, checkpoint.shard_files(cfg.model), cfg.quant)
+        fp8_check.check(cfg.model, checkpoint_files.shard_files(cfg.model), cfg.quant)
     plan = plan_local_ranks(settings, cfg)
     log.info("Daemon plan: %s", plan.describe())
     planned = plan.layout.local_ranks()

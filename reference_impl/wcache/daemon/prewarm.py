@@ -1,10 +1,9 @@
-"""Start the first daemon rank's interpreter before the launcher imports torch.
+"""Start the first daemon rank's interpreter before the launcher imports and plans.
 
 A rank is a fresh interpreter that imports torch and wcache (seconds: most of a daemon restart that
-adopts its arena). The launcher imports torch too, to build the configuration and plan the ranks,
-and only then could it spawn a rank: two imports of torch one after the other. So `wcache preload`
-spawns one rank process first thing, before importing anything heavy: it imports while the
-launcher plans, then waits on a socket pair for its spec and, with it (SCM_RIGHTS), the device's
+adopts its arena). The launcher imports no torch, but its own imports, the configuration and the
+plan still come before it could spawn a rank. So `wcache preload` spawns one rank process first
+thing: it imports while the launcher plans, then waits on a socket pair for its spec and, with it (SCM_RIGHTS), the device's
 lock that the launcher took before planning (lock first: see launcher.claim_rank_sockets). The
 launcher hands both to the first rank it plans (``take``); the others are spawned as before. If the launcher stops before it hands the
 spec over (a bad configuration, a stop signal), it kills the waiting rank, which has touched

@@ -33,7 +33,8 @@ from wcache.core.fingerprint import (
     mismatched_fields,
 )
 from wcache.daemon import seed_round, weight_digest
-from wcache.daemon.seed import CONNECT_TIMEOUT_S, parse_address
+from wcache.daemon.seed import CONNECT_TIMEOUT_S
+from wcache.daemon.seed_settings import parse_address
 from wcache.daemon.seed_target import make_target
 from wcache.errors import (
     SEED_WEIGHTS_FALLBACK,

@@ -34,6 +34,7 @@ import torch
 from wcache.core.fingerprint import mismatched_fields
 from wcache.core.seeded_checkpoint import small_identity
 from wcache.daemon import seed_round, weight_digest
+from wcache.daemon.seed_settings import MAX_ROUND
 from wcache.errors import SEED_ROUND_DONE
 from wcache.wire.protocol import ProtocolError, recv_frame, reply, send_frame
 
@@ -41,7 +42,6 @@ log = logging.getLogger("wcache.seed")
 
 STALL_S = 30.0  # a send that makes no progress for this long fails that replica
 VERDICT_WAIT_S = 120.0  # for the replica to check the digests and answer
-MAX_ROUND = 15  # replicas per round: the seed listener serves 16 connections at a time
 DEFAULT_WINDOW_S = 2.0
 
 

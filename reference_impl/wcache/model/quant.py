@@ -17,6 +17,9 @@ engine. The methods, by the name ``--quantization`` and config.json's ``quant_me
   them at all.
 * ``modelopt`` (NVFP4) and ``mxfp4``: upstream serves them from its cache; not implemented here,
   and refused by name.
+
+torch (and model/fp8.py) are imported by the methods that touch tensors, when first called:
+`wcache preload`'s launcher resolves and refuses methods without torch, which only its ranks import.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from wcache.errors import QuantizationError, UnsupportedQuantForIPCError
-from wcache.model import fp8
+
+if TYPE_CHECKING:
+    import torch
 
 
 class QuantMethod:
@@ -79,6 +83,8 @@ class QuantMethod:
     def process(self, parts: list[dict[str, torch.Tensor]], names: list[str], fused: str,
                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The stored tensors of one (maybe fused) projection from its parts, in fused row order."""
+        import torch
+
         w = parts[0]["weight"] if len(parts) == 1 else torch.cat([p["weight"] for p in parts])
         return self.quantize(w, dtype)
 
@@ -104,9 +110,13 @@ class Int8WeightOnly(QuantMethod):
     name = "int8"
 
     def stored_shapes(self, out_f, in_f, dtype):
+        import torch
+
         return {"qweight": ((out_f, in_f), torch.int8), "scale": ((out_f,), torch.float32)}
 
     def quantize(self, w, dtype):
+        import torch
+
         w32 = w.float()
         scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -132,16 +142,26 @@ class Fp8Online(QuantMethod):
                 "activation_scheme": "dynamic"}
 
     def stored_shapes(self, out_f, in_f, dtype):
+        import torch
+
+        from wcache.model import fp8
+
         return {"weight": ((out_f, in_f), fp8.FP8), "weight_scale": ((out_f,), torch.float32)}
 
     def quantize(self, w, dtype):
+        from wcache.model import fp8
+
         q, scale = fp8.quantize_per_channel(w)
         return {"weight": q, "weight_scale": scale}
 
     def dequantize(self, stored, dtype):
+        from wcache.model import fp8
+
         return fp8.dequantize_per_channel(stored["weight"], stored["weight_scale"], dtype)
 
     def native_matmul(self, x, stored):
+        from wcache.model import fp8
+
         w = stored["weight"]
         if not fp8.rowwise_native_ok(x, w):
             return None
@@ -200,6 +220,8 @@ class Fp8BlockCheckpoint(QuantMethod):
         return ("weight", "weight_scale_inv")
 
     def check_part(self, part: dict[str, torch.Tensor], name: str) -> None:
+        from wcache.model import fp8
+
         w, s = part["weight"], part.get("weight_scale_inv")
         if s is None:
             raise QuantizationError(QuantizationError.MISSING_SCALE.format(
@@ -213,6 +235,10 @@ class Fp8BlockCheckpoint(QuantMethod):
     def check_layout(self, hf, tp):
         """The checks split_rows, split_cols and process make, on meta tensors of layer 0's shapes
         and in their order, so a layout that loading would refuse is refused before it starts."""
+        import torch
+
+        from wcache.model import fp8
+
         h, inter, hd = hf["hidden_size"], hf["intermediate_size"], hf["head_dim"]
         q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
         shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
@@ -256,6 +282,8 @@ class Fp8BlockCheckpoint(QuantMethod):
         return {"weight": w.narrow(dim, rank * n, n), "weight_scale_inv": s.narrow(dim, rank * b, b)}
 
     def process(self, parts, names, fused, dtype):
+        import torch
+
         for part, name in zip(parts, names):
             self.check_part(part, name)
         # Rows of each part but the last must fill whole blocks, or the concatenated scale grid
@@ -270,18 +298,28 @@ class Fp8BlockCheckpoint(QuantMethod):
                 "weight_scale_inv": torch.cat([p["weight_scale_inv"] for p in parts]).float()}
 
     def stored_shapes(self, out_f, in_f, dtype):
+        import torch
+
+        from wcache.model import fp8
+
         return {"weight": ((out_f, in_f), fp8.FP8),
                 "weight_scale_inv": ((fp8.ceil_div(out_f, self.block[0]), fp8.ceil_div(in_f, self.block[1])),
                                      torch.float32)}
 
     def quantize(self, w, dtype):  # make-checkpoint's writer (core/checkpoint.py)
+        from wcache.model import fp8
+
         q, s = fp8.quantize_blockwise(w, self.block)
         return {"weight": q, "weight_scale_inv": s}
 
     def dequantize(self, stored, dtype):
+        from wcache.model import fp8
+
         return fp8.dequantize_blockwise(stored["weight"], stored["weight_scale_inv"], self.block, dtype)
 
     def native_matmul(self, x, stored):
+        from wcache.model import fp8
+
         w = stored["weight"]
         if not fp8.blockwise_native_ok(x, w, self.block):
             return None
