@@ -198,7 +198,7 @@ def test_a_bias_on_every_id_costs_a_step_about_what_one_bias_does():
             t0 = time.perf_counter()
             sampler.pick(row)
             times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return min(times)  # the work's own cost: a preempted sample is only ever longer (it failed at a load of 14)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine's other threads and other tests' load: one thread measures alike
