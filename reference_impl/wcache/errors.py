@@ -473,6 +473,9 @@ CORE_PROMOTED = ("Engine core pid {pid} promoted {ms:.1f} ms after engine core p
 CORE_HUNG = ("Engine core pid {pid} hung: no frame for {seconds:.1f} s with requests in flight "
              "(--respawn-heartbeat-timeout {timeout:g}); killing it with SIGKILL")
 CORE_SPARE_READY = "Spare engine core pid {pid} ready"
+CORE_SPARE_PREPARED = ("Spare engine core pid {pid} prepared in {seconds:.2f} s: weights from {source}, warm-up forward "
+                       "run; no KV cache until its promotion")
+CORE_SPARE_PROMOTED = "Spare engine core pid {pid} promoted: sizing and allocating its KV cache"
 CORE_SPARE_FAILED = "Spare engine core pid {pid} exited before it was ready ({cause}); {n} in a row (giving up at {limit})"
 CORE_GAVE_UP = ("Engine core pid {pid} died ({cause}): {n} deaths in a row, each within {stable:g} s of the "
                 "promotion before it; giving up")

@@ -131,6 +131,26 @@ def test_four_greedy_streams_go_on_through_three_kills_with_the_uncrashed_text(e
     print(f"target {KILL_TO_200_MS:g} ms: {'met' if median <= KILL_TO_200_MS else 'not met'} in this run")
 
 
+KV_ALLOCATED = re.compile(r"KV cache: \d+ sequence\(s\) of \d+ tokens allocated")
+
+
+def test_a_spare_allocates_its_kv_cache_only_once_promoted(engine):
+    # Two KV caches, each sized to the free memory, do not fit a GPU: the spare waits without one.
+    wait_spare(engine)
+    log = engine.log()
+    spare = int(SPARE_READY.findall(log)[-1])
+    assert f"Spare engine core pid {spare} prepared in " in log and "no KV cache until its promotion" in log
+    assert len(KV_ALLOCATED.findall(log)) == 1, log[-2000:]  # the serving core's alone
+    kill_serving_core(engine)
+    engine.wait_for(lambda: PROMOTED.search(engine.log()), 60, "the promotion")
+    log = engine.log()
+    kv = [m.start() for m in KV_ALLOCATED.finditer(log)]
+    assert len(kv) == 2, log[-2000:]
+    # Its Promote, then its KV cache, then the front's word that it serves: in the order they happened.
+    assert log.index(f"Spare engine core pid {spare} promoted: sizing") < kv[1] \
+        < log.index(f"Engine core pid {spare} promoted "), log[-2000:]
+
+
 def test_a_seeded_sampled_stream_resumed_is_its_uncrashed_run(engine):
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 1.0, "seed": 7}
     reference = Stream(engine.port, body).result()

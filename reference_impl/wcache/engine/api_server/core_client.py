@@ -103,6 +103,7 @@ class EngineCoreClient:
         self._running = self._waiting = 0
         self._alive: float | None = None
         self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
+        self.on_promoted = None  # called with the promoted core's Ready once it serves (--respawn)
 
     # -- start-up (the front's main thread) ------------------------------------------------------
     def planned(self) -> Planned | None:
@@ -303,6 +304,9 @@ class EngineCoreClient:
                     break  # this core died too: its reader promotes the next, which gets them all
             old.close()
             threading.Thread(target=self._read, args=(self.channel,), name="wcache-core-reader", daemon=True).start()
+        self.report = core.ready.report  # what /metrics and the load's labels now describe
+        if self.on_promoted is not None:
+            self.on_promoted(core.ready)
 
     # -- the end -----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -75,6 +75,7 @@ def run_front(args) -> int:
     if getattr(args, "respawn", False):  # a spare core loads now, to take over at the serving one's death
         from wcache.engine.api_server.front_failover import Failover
 
+        client.on_promoted = lambda ready: server.metrics.core_promoted(ready.report, ready.load_format)
         client.failover = Failover(args, spawn_core)
         client.failover.start_spare()
         client.failover.watch(client, args.respawn_heartbeat_timeout)
