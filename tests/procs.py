@@ -76,6 +76,21 @@ def engine_workers(serve_pid: int) -> list[int]:
     return workers
 
 
+ONE_PROCESS = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "0"}  # `wcache serve` as one process (two are the default)
+
+
+@contextlib.contextmanager
+def one_process():
+    """For a test module about the one-process engine's internals: every `wcache serve` it starts,
+    and this process's own reading of the mode, run the engine inside the server process."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WCACHE_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
 def two_processes() -> bool:
     """Whether this run's `wcache serve` is a front and an engine core (engine/api_server/front.py)."""
     return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") == "1"
