@@ -76,6 +76,28 @@ def engine_workers(serve_pid: int) -> list[int]:
     return workers
 
 
+def engine_pid(serve_pid: int) -> int:
+    """The process of a running `wcache serve` that holds engine rank 0 (the one a daemon's log names
+    when it adopts the engine's arena): its engine core with two processes, else itself."""
+    if not two_processes():
+        return serve_pid
+    cores = core_pids(serve_pid)
+    assert len(cores) == 1, f"wcache serve pid {serve_pid} has engine cores {cores}"
+    return cores[0]
+
+
+def core_pids(serve_pid: int) -> list[int]:
+    """The engine cores a `wcache serve` front started (a --respawn front: the serving one and its spare)."""
+    cores = []
+    for child in child_pids(serve_pid):
+        try:
+            if b"wcache.engine.core.core_proc" in Path(f"/proc/{child}/cmdline").read_bytes():
+                cores.append(child)
+        except OSError:
+            continue
+    return cores
+
+
 ONE_PROCESS = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "0"}  # `wcache serve` as one process (two are the default)
 
 

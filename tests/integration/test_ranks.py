@@ -143,7 +143,7 @@ def test_a_dead_engine_loop_ends_the_server_with_status_1(procs, model32, expect
     the process stays up after the loop died and this test times out waiting for its exit."""
     engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE)
     assert tokens(engine.port) == expected
-    (worker,) = child_pids(engine.pid)
+    (worker,) = engine_workers(engine.pid)  # rank 1: the engine core's child with two processes
     os.kill(worker, signal.SIGKILL)
     try:  # an error answer, or the connection closed as the server exits
         status, _ = http("POST", f"http://127.0.0.1:{engine.port}/v1/completions",
