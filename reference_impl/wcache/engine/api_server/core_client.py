@@ -43,6 +43,7 @@ from wcache.engine.core.core_messages import (
     Status,
     StepOutputs,
     Unhealthy,
+    Waiting,
     front_channel,
     prompt_scores_of,
     sampled_of,
@@ -52,6 +53,7 @@ from wcache.engine.worker.sampling_params import GREEDY, SamplingParams
 from wcache.engine.core.scheduler import QueueFull
 from wcache.engine.core.textstream import TextStream
 from wcache.engine.api_server.front_failover import stop_core
+from wcache.engine.loading import waiting as cache_wait
 from wcache.errors import (
     CORE_EXITED,
     CORE_FAILED,
@@ -70,6 +72,14 @@ class CoreConfig:
 
     device: str
     hf: dict = field(default_factory=dict)
+
+
+def show_waiting(msg: Waiting) -> None:
+    """This process's /health while the core waits for the weight cache daemon (engine/loading/waiting.py)."""
+    if msg.state is None:
+        cache_wait.clear()
+    else:
+        cache_wait.set_waiting(msg.state.get("socket"), msg.state.get("reason", ""), msg.state.get("timeout_s", 0))
 
 
 def spawn_core(args) -> tuple[subprocess.Popen, socket.socket]:
@@ -129,6 +139,9 @@ class EngineCoreClient:
     def _first(self, kind):
         try:
             msg = self.channel.recv()
+            while isinstance(msg, Waiting):  # the core's loader waits for the daemon: /health says so
+                show_waiting(msg)
+                msg = self.channel.recv()
         except ChannelError as e:
             log.error("%s", e)
             msg = None

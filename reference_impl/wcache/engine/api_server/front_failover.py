@@ -33,6 +33,7 @@ from wcache.engine.core.core_messages import (
     Promote,
     Ready,
     Shutdown,
+    Waiting,
     front_channel,
 )
 from wcache.engine.core.failover_policy import (
@@ -120,7 +121,10 @@ class Failover:
             planned = channel.recv()
             if isinstance(planned, Planned) and planned.drives:
                 channel.send(Proceed(spare=True))
-                if isinstance(channel.recv(), Prepared):
+                msg = channel.recv()
+                while isinstance(msg, Waiting):  # a spare's wait for the daemon: the serving core's /health stays
+                    msg = channel.recv()
+                if isinstance(msg, Prepared):
                     return Core(proc, channel)
         except (ChannelError, OSError) as e:
             log.error("%s", e)

@@ -37,6 +37,7 @@ from wcache.engine.core.core_messages import (
     Status,
     StepOutputs,
     Unhealthy,
+    Waiting,
     params_of,
     prompt_scored_of,
     token_of,
@@ -48,6 +49,7 @@ from wcache.engine.worker.runner import RankRunner
 from wcache.engine.worker.sampling import Sampler
 from wcache.engine.core.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
 from wcache.engine.core.settings import EngineSettings
+from wcache.engine.loading import waiting as cache_wait
 from wcache.engine.worker.supervisor import Supervisor, start_local_ranks
 from wcache.errors import CORE_SPARE_PREPARED, CORE_SPARE_PROMOTED, FRONT_GONE, RespawnError
 
@@ -262,6 +264,8 @@ def run_core(args, loader_config, channel) -> int:
     """``run_serve``'s start-up and step loop, with the front on the other end of ``channel``."""
     core = EngineCore(channel)
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
+    # The loader's wait for the daemon is told to the front, whose /health shows it (waiting.py).
+    cache_wait.subscribe(lambda body: core.send(Waiting(body and {k: body[k] for k in ("socket", "reason", "timeout_s")})))
     plan, specs = rank_specs(from_flags(EngineSettings, args), loader_config)
     if getattr(args, "respawn", False) and plan.world_size > 1:  # spares and resumes are one rank's (front_failover.py)
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))

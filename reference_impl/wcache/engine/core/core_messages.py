@@ -194,6 +194,13 @@ class QueueFullError(_Msg):
     limit: int
 
 
+class Waiting(_Msg):
+    """The core's loader waits for the weight cache daemon (engine/loading/waiting.py): the front's
+    /health says so, as one process's does. ``state`` (socket, reason, timeout_s) None: it waits no more."""
+
+    state: dict[str, Any] | None = None
+
+
 class Unhealthy(_Msg):
     """An engine rank of this node died after start-up: /health answers 503 (engine/worker/supervisor.py)."""
 
@@ -205,7 +212,7 @@ class Status(_Msg):
 
 
 ToCore = Start | Proceed | Promote | AddRequest | AbortRequest | Shutdown
-ToFront = Planned | Prepared | Ready | StepOutputs | QueueFullError | Status | Unhealthy
+ToFront = Planned | Prepared | Ready | Waiting | StepOutputs | QueueFullError | Status | Unhealthy
 
 
 class Channel:
