@@ -65,7 +65,7 @@ def child_pids(pid: int) -> list[int]:
 
 def engine_workers(serve_pid: int) -> list[int]:
     """The other local ranks of a `wcache serve` process: its children, or with
-    WCACHE_ENABLE_V1_MULTIPROCESSING=1 (a front and an engine core) the engine core's."""
+    two processes (a front and an engine core, the default) the engine core's."""
     workers = []
     for child in child_pids(serve_pid):
         try:
@@ -78,7 +78,7 @@ def engine_workers(serve_pid: int) -> list[int]:
 
 def engine_pid(serve_pid: int) -> int:
     """The process of a running `wcache serve` that holds engine rank 0 (the one a daemon's log names
-    when it adopts the engine's arena): its engine core with two processes, else itself."""
+    when it adopts the engine's arena): its engine core with two processes (the default), else itself."""
     if not two_processes():
         return serve_pid
     cores = core_pids(serve_pid)
@@ -114,8 +114,9 @@ def one_process():
 
 
 def two_processes() -> bool:
-    """Whether this run's `wcache serve` is a front and an engine core (engine/api_server/front.py)."""
-    return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") == "1"
+    """Whether this run's `wcache serve` is a front and an engine core (engine/api_server/front.py):
+    the default, unless the variable is 0."""
+    return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "1") == "1"
 
 
 def alive(pid: int) -> bool:

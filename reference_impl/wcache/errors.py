@@ -163,6 +163,12 @@ class RespawnError(UserError):
               "error that a new worker would repeat (its error is above)")
 
 
+class MultiprocessingEnvError(UserError):
+    """`wcache serve`'s process layout (engine/api_server/front.py): a value it cannot read is not taken as either."""
+    VALUE = ("WCACHE_ENABLE_V1_MULTIPROCESSING must be 1 (the default: a front process and an engine core) or 0 "
+             "(one process), not {value!r}")
+
+
 class KVCacheBudgetError(UserError):
     """The budget leaves too little for the KV cache. The {fix} names the way out that works here
     (memory.kv_fix): a higher utilization only where the device can hold it; --max-model-len where

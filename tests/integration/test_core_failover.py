@@ -1,4 +1,4 @@
-"""`wcache serve --respawn` as a front and engine cores (WCACHE_ENABLE_V1_MULTIPROCESSING=1,
+"""`wcache serve --respawn` as a front and engine cores (the default layout,
 engine/api_server/front_failover.py): the serving core SIGKILLed under real clients on real HTTP; the front
 keeps every connection and the streams in flight go on from the promoted spare core."""
 
@@ -19,7 +19,6 @@ from itest import run_cli, wait_until
 from procs import http
 from wcache.engine.core.failover_policy import MAX_DEATHS, STABLE_S
 
-ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
 READY = re.compile(r"Engine ready \(pid (\d+), engine core pid (\d+)\)")
 SPARE_READY = re.compile(r"Spare engine core pid (\d+) ready")
 PROMOTED = re.compile(r"Engine core pid (\d+) promoted")
@@ -33,7 +32,7 @@ HUNG = re.compile(r"Engine core pid (\d+) hung: no frame for ([\d.]+) s with req
 @pytest.fixture
 def engine(procs, tiny_model):  # one per test: the kills of several tests would add up to a give-up
     p = procs.serve(tiny_model, "--max-model-len", "512", "--respawn", "--respawn-heartbeat-timeout",
-                           str(HEARTBEAT_TIMEOUT_S), env=ON).wait_for_log("Engine ready")
+                           str(HEARTBEAT_TIMEOUT_S)).wait_for_log("Engine ready")
     p.front_pid, p.first_core = map(int, READY.search(p.log()).groups())
     return p
 
@@ -204,7 +203,7 @@ def test_a_stopped_core_is_killed_at_the_heartbeat_bound_and_its_stream_resumes(
 
 
 def test_repeated_deaths_give_up_and_the_front_exits_1(procs, tiny_model):
-    e = procs.serve(tiny_model, "--max-model-len", "64", "--respawn", env=ON).wait_for_log("Engine ready")
+    e = procs.serve(tiny_model, "--max-model-len", "64", "--respawn").wait_for_log("Engine ready")
     e.first_core = int(READY.search(e.log()).group(2))
     for i in range(MAX_DEATHS):  # each soon after the promotion before it
         wait_spare(e)
@@ -218,7 +217,7 @@ def test_repeated_deaths_give_up_and_the_front_exits_1(procs, tiny_model):
 
 def test_more_than_one_rank_is_refused_naming_the_flag(tiny_model, wcache_env):
     r = run_cli("serve", str(tiny_model), "--device", "cpu", "--respawn", "--tensor-parallel-size", "2",
-                env={**wcache_env, **ON})
+                env=wcache_env)
     assert r.returncode == 2, r.stderr
     assert "--respawn supports an engine of one rank; this one has 2 ranks (" in r.stderr, r.stderr
     assert "Spare engine core" not in r.stderr  # refused before any spare started

@@ -343,8 +343,8 @@ def test_engine_ranks_that_offered_withdraw_their_offers_when_stopped(procs, mod
     closes its leases; the worker, whose main thread waits inside a collective, withdraws its offer
     on SIGTERM and still dies by it. A SIGKILLed serve process cannot withdraw its own offer (the
     next daemon removes it as stale), but its worker, signalled by PDEATHSIG, withdraws its own. With
-    WCACHE_ENABLE_V1_MULTIPROCESSING=1 the SIGKILLed process is the front: the engine core (rank 0)
-    sees its channel close and stops, withdrawing its offer too."""
+    two processes (the default) the SIGKILLed process is the front: the engine core (rank 0) sees its
+    channel close and stops, withdrawing its offer too."""
     socket_dir = prepare_socket_dir(None, create=False)
     for stop in ("group SIGTERM", "serve SIGKILL"):
         pre = procs.preload(model32, "-tp", "2", NO_TUNE)

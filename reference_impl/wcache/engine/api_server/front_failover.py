@@ -1,4 +1,4 @@
-"""`wcache serve --respawn` as front and engine core (``WCACHE_ENABLE_V1_MULTIPROCESSING=1``): the
+"""`wcache serve --respawn` as front and engine core (the default layout): the
 front keeps every connection and replaces its cores. A spare core is started ahead (Start, Planned,
 Proceed(spare): it loads the weights, runs a warm-up forward and says Prepared) and is left unread
 until the serving core dies. Only then is it told Promote: it sizes and allocates its KV cache in the
