@@ -65,7 +65,7 @@ def child_pids(pid: int) -> list[int]:
 
 def engine_workers(serve_pid: int) -> list[int]:
     """The other local ranks of a `wcache serve` process: its children, or with
-    WCACHE_ENABLE_V1_MULTIPROCESSING=1 (a front and an engine core) the engine core's."""
+    two processes (a front and an engine core, the default) the engine core's."""
     workers = []
     for child in child_pids(serve_pid):
         try:
@@ -76,9 +76,47 @@ def engine_workers(serve_pid: int) -> list[int]:
     return workers
 
 
+def engine_pid(serve_pid: int) -> int:
+    """The process of a running `wcache serve` that holds engine rank 0 (the one a daemon's log names
+    when it adopts the engine's arena): its engine core with two processes (the default), else itself."""
+    if not two_processes():
+        return serve_pid
+    cores = core_pids(serve_pid)
+    assert len(cores) == 1, f"wcache serve pid {serve_pid} has engine cores {cores}"
+    return cores[0]
+
+
+def core_pids(serve_pid: int) -> list[int]:
+    """The engine cores a `wcache serve` front started (a --respawn front: the serving one and its spare)."""
+    cores = []
+    for child in child_pids(serve_pid):
+        try:
+            if b"wcache.engine.core.core_proc" in Path(f"/proc/{child}/cmdline").read_bytes():
+                cores.append(child)
+        except OSError:
+            continue
+    return cores
+
+
+ONE_PROCESS = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "0"}  # `wcache serve` as one process (two are the default)
+
+
+@contextlib.contextmanager
+def one_process():
+    """For a test module about the one-process engine's internals: every `wcache serve` it starts,
+    and this process's own reading of the mode, run the engine inside the server process."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WCACHE_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
 def two_processes() -> bool:
-    """Whether this run's `wcache serve` is a front and an engine core (engine/api_server/front.py)."""
-    return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") == "1"
+    """Whether this run's `wcache serve` is a front and an engine core (engine/api_server/front.py):
+    the default, unless the variable is 0."""
+    return os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "1") == "1"
 
 
 def alive(pid: int) -> bool:

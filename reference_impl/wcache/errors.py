@@ -163,6 +163,12 @@ class RespawnError(UserError):
               "error that a new worker would repeat (its error is above)")
 
 
+class MultiprocessingEnvError(UserError):
+    """`wcache serve`'s process layout (engine/api_server/front.py): a value it cannot read is not taken as either."""
+    VALUE = ("WCACHE_ENABLE_V1_MULTIPROCESSING must be 1 (the default: a front process and an engine core) or 0 "
+             "(one process), not {value!r}")
+
+
 class KVCacheBudgetError(UserError):
     """The budget leaves too little for the KV cache. The {fix} names the way out that works here
     (memory.kv_fix): a higher utilization only where the device can hold it; --max-model-len where
@@ -473,6 +479,9 @@ CORE_PROMOTED = ("Engine core pid {pid} promoted {ms:.1f} ms after engine core p
 CORE_HUNG = ("Engine core pid {pid} hung: no frame for {seconds:.1f} s with requests in flight "
              "(--respawn-heartbeat-timeout {timeout:g}); killing it with SIGKILL")
 CORE_SPARE_READY = "Spare engine core pid {pid} ready"
+CORE_SPARE_PREPARED = ("Spare engine core pid {pid} prepared in {seconds:.2f} s: weights from {source}, warm-up forward "
+                       "run; no KV cache until its promotion")
+CORE_SPARE_PROMOTED = "Spare engine core pid {pid} promoted: sizing and allocating its KV cache"
 CORE_SPARE_FAILED = "Spare engine core pid {pid} exited before it was ready ({cause}); {n} in a row (giving up at {limit})"
 CORE_GAVE_UP = ("Engine core pid {pid} died ({cause}): {n} deaths in a row, each within {stable:g} s of the "
                 "promotion before it; giving up")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from faultlib import TALLY, wait_until
-from procs import child_pids, free_port, http
+from procs import child_pids, engine_pid, engine_workers, free_port, http, two_processes
 from test_fault_fds_in_flight import as_other, other_home  # noqa: F401  (other_home: a fixture)
 
 # For each pid: read 16 bytes of its first readable mapping through /proc/PID/mem, and take its
@@ -157,16 +157,21 @@ def test_a_process_of_the_same_uid_cannot_read_memory_or_take_descriptors(other_
 
         supervisor, port = serve(env, tmp_path / "respawn.log", model, "--respawn")
         procs.append(supervisor)
-        wait_until(lambda: len(child_pids(supervisor.pid)) == 2, 120, "the serving worker and its spare")
+        # Two processes (the default): the front, its serving engine core and its spare core; one
+        # (WCACHE_ENABLE_V1_MULTIPROCESSING=0): the supervisor, its serving worker and its spare.
+        wait_until(lambda: len(child_pids(supervisor.pid)) == 2, 120, "the serving engine and its spare")
         worker, spare = child_pids(supervisor.pid)
-        kinds |= {"respawn supervisor": supervisor.pid, "respawn worker": worker, "respawn spare": spare}
+        kinds |= {"respawn front or supervisor": supervisor.pid, "respawn serving engine": worker,
+                  "respawn spare": spare}
 
         front, _ = serve(env, tmp_path / "tp2.log", model, "--tensor-parallel-size", "2", "--load-format",
                          "safetensors")
         procs.append(front)
-        [runner] = [p for p in child_pids(front.pid)
+        [runner] = [p for p in engine_workers(front.pid)
                     if "wcache.engine.worker.runner" in Path(f"/proc/{p}/cmdline").read_text()]
-        kinds |= {"engine (rank 0)": front.pid, "engine worker (rank 1)": runner}
+        kinds |= {"engine (rank 0)": engine_pid(front.pid), "engine worker (rank 1)": runner}
+        if two_processes():
+            kinds["engine front"] = front.pid
 
         got = attack(env, kinds)
         assert got == {kind: REFUSED for kind in kinds}, json.dumps(got, indent=1)

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from procs import Processes
+from procs import Processes, one_process
 
 from wcache.bench.respawn import kill_under_load
 
@@ -23,6 +23,14 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run `make test-gpu` on a GPU host)"),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process():
+    # About the one-process engine's --respawn supervisor (engine/respawn/), which hands connections to
+    # worker processes; the default's front replaces engine cores itself (test_core_failover.py).
+    with one_process():
+        yield
 
 
 def compute_pids() -> set[int]:

@@ -1,4 +1,4 @@
-"""`wcache serve --respawn` as a front and engine cores (WCACHE_ENABLE_V1_MULTIPROCESSING=1,
+"""`wcache serve --respawn` as a front and engine cores (the default layout,
 engine/api_server/front_failover.py): the serving core SIGKILLed under real clients on real HTTP; the front
 keeps every connection and the streams in flight go on from the promoted spare core."""
 
@@ -20,7 +20,6 @@ from procs import http
 from wcache.engine.api_server.core_client import FAILOVER_TIMELINE
 from wcache.engine.core.failover_policy import MAX_DEATHS, STABLE_S
 
-ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
 READY = re.compile(r"Engine ready \(pid (\d+), engine core pid (\d+)\)")
 SPARE_READY = re.compile(r"Spare engine core pid (\d+) ready")
 PROMOTED = re.compile(r"Engine core pid (\d+) promoted")
@@ -35,7 +34,7 @@ HUNG = re.compile(r"Engine core pid (\d+) hung: no frame for ([\d.]+) s with req
 @pytest.fixture
 def engine(procs, tiny_model):  # one per test: the kills of several tests would add up to a give-up
     p = procs.serve(tiny_model, "--max-model-len", "512", "--respawn", "--respawn-heartbeat-timeout",
-                           str(HEARTBEAT_TIMEOUT_S), env=ON).wait_for_log("Engine ready")
+                           str(HEARTBEAT_TIMEOUT_S)).wait_for_log("Engine ready")
     p.front_pid, p.first_core = map(int, READY.search(p.log()).groups())
     return p
 
@@ -159,6 +158,26 @@ def test_a_core_idle_longer_than_the_heartbeat_timeout_is_not_taken_for_hung(eng
     assert not HUNG.search(engine.log()) and not PROMOTED.search(engine.log()), engine.log()[-1500:]
 
 
+KV_ALLOCATED = re.compile(r"KV cache: \d+ sequence\(s\) of \d+ tokens allocated")
+
+
+def test_a_spare_allocates_its_kv_cache_only_once_promoted(engine):
+    # Two KV caches, each sized to the free memory, do not fit a GPU: the spare waits without one.
+    wait_spare(engine)
+    log = engine.log()
+    spare = int(SPARE_READY.findall(log)[-1])
+    assert f"Spare engine core pid {spare} prepared in " in log and "no KV cache until its promotion" in log
+    assert len(KV_ALLOCATED.findall(log)) == 1, log[-2000:]  # the serving core's alone
+    kill_serving_core(engine)
+    engine.wait_for(lambda: PROMOTED.search(engine.log()), 60, "the promotion")
+    log = engine.log()
+    kv = [m.start() for m in KV_ALLOCATED.finditer(log)]
+    assert len(kv) == 2, log[-2000:]
+    # Its Promote, then its KV cache, then the front's word that it serves: in the order they happened.
+    assert log.index(f"Spare engine core pid {spare} promoted: sizing") < kv[1] \
+        < log.index(f"Engine core pid {spare} promoted "), log[-2000:]
+
+
 def test_a_seeded_sampled_stream_resumed_is_its_uncrashed_run(engine):
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 1.0, "seed": 7}
     reference = Stream(engine.port, body).result()
@@ -215,7 +234,7 @@ def test_a_stopped_core_is_killed_at_the_heartbeat_bound_and_its_stream_resumes(
 # loaded; at a load average of 15 a spare took longer than that to load, and the row never formed.
 @pytest.mark.timed
 def test_repeated_deaths_give_up_and_the_front_exits_1(procs, tiny_model):
-    e = procs.serve(tiny_model, "--max-model-len", "64", "--respawn", env=ON).wait_for_log("Engine ready")
+    e = procs.serve(tiny_model, "--max-model-len", "64", "--respawn").wait_for_log("Engine ready")
     e.first_core = int(READY.search(e.log()).group(2))
     for i in range(MAX_DEATHS):  # each soon after the promotion before it
         wait_spare(e)
@@ -229,7 +248,7 @@ def test_repeated_deaths_give_up_and_the_front_exits_1(procs, tiny_model):
 
 def test_more_than_one_rank_is_refused_naming_the_flag(tiny_model, wcache_env):
     r = run_cli("serve", str(tiny_model), "--device", "cpu", "--respawn", "--tensor-parallel-size", "2",
-                env={**wcache_env, **ON})
+                env=wcache_env)
     assert r.returncode == 2, r.stderr
     assert "--respawn supports an engine of one rank; this one has 2 ranks (" in r.stderr, r.stderr
     assert "Spare engine core" not in r.stderr  # refused before any spare started

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from itest import call, default_socket, memfd_inode, rank_pids, wait_until
-from procs import complete
+from procs import complete, engine_pid
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.config import EngineConfig
 from wcache.core.device import device_identity
@@ -79,7 +79,7 @@ def test_a_restarted_daemon_adopts_the_arena_of_a_running_engine(procs, tiny_mod
 
     second = procs.preload(tiny_model, NO_TUNE)
     log = second.log()
-    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine.pid, n=27) in log
+    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine_pid(engine.pid), n=27) in log
     assert "without reading the checkpoint" in log and LOADED not in log
     [rank2] = rank_pids(second.pid)
     assert memfd_inode(rank2) == inode  # the first daemon's memory, not a new copy

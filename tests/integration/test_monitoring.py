@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from procs import complete, free_port, wait_until
+from procs import complete, free_port, two_processes, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "monitoring"
@@ -382,17 +382,23 @@ def test_a_waiting_standby_and_its_adoption_are_reported(procs, tiny_model, wcac
 
 
 def test_counters_outlive_a_respawned_worker(procs, tiny_model):
-    """``serve --respawn``: the supervisor's workers share one multiprocess directory, so a worker's
-    death does not reset the counters its successor serves (and the load counter sees both)."""
+    """``serve --respawn``: the counters outlive the engine that died, so its successor serves them
+    on (and the load counter sees both loads). Two processes (the default): the front holds them and
+    counts the promoted core's load; one: the supervisor's workers share one multiprocess directory."""
     engine = procs.serve(tiny_model, "--respawn", NO_TUNE)
     for _ in range(2):
         complete(engine.port, max_tokens=3)
     success = "vllm:request_success_total"
     assert sum(scrape(engine.port)[success].values()) == 2
     assert sum(scrape(engine.port)["wcache_engine_weight_loads_total"].values()) == 1
-    worker = int(engine.log().split("engine worker pid ")[1].split()[0])
-    os.kill(worker, 9)
-    engine.wait_for_log("Respawned", timeout=120)
+    if two_processes():  # the front holds the counters and promotes a spare engine core
+        worker = int(engine.log().split("engine core pid ")[1].split(")")[0])
+        os.kill(worker, 9)
+        engine.wait_for_log(f"after engine core pid {worker} died", timeout=120)
+    else:
+        worker = int(engine.log().split("engine worker pid ")[1].split()[0])
+        os.kill(worker, 9)
+        engine.wait_for_log("Respawned", timeout=120)
     complete(engine.port, max_tokens=3)
     after = scrape(engine.port)
     assert sum(after[success].values()) == 3

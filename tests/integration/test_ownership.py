@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from itest import alive, call, default_socket, memfd_inode, rank_pids, wait_until
-from procs import complete
+from procs import complete, engine_pid
 from wcache.daemon import arena_record
 from wcache.errors import ADOPTED, DaemonLockError
 
@@ -95,7 +95,7 @@ def test_a_second_preload_stops_on_the_lock_before_any_work(procs, tiny_model, w
     first.stop()
     engine.wait_for_log("went away; this engine keeps serving", timeout=15)
     third = procs.preload(tiny_model, NO_TUNE)
-    assert ADOPTED.split(":")[0].format(rank=0, pid=engine.pid) in third.log() and LOADED not in third.log()
+    assert ADOPTED.split(":")[0].format(rank=0, pid=engine_pid(engine.pid)) in third.log() and LOADED not in third.log()
     assert memfd_inode(rank_pids(third.pid)[0]) == inode
     assert complete(engine.port, "lock first")["choices"] == answer["choices"]
     assert engine.stop() == 0

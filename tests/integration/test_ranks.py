@@ -143,7 +143,7 @@ def test_a_dead_engine_loop_ends_the_server_with_status_1(procs, model32, expect
     the process stays up after the loop died and this test times out waiting for its exit."""
     engine = procs.serve(model32, "-tp", "2", "--master-port", str(free_port()), NO_TUNE)
     assert tokens(engine.port) == expected
-    (worker,) = child_pids(engine.pid)
+    (worker,) = engine_workers(engine.pid)  # rank 1: the engine core's child with two processes
     os.kill(worker, signal.SIGKILL)
     try:  # an error answer, or the connection closed as the server exits
         status, _ = http("POST", f"http://127.0.0.1:{engine.port}/v1/completions",
@@ -343,8 +343,8 @@ def test_engine_ranks_that_offered_withdraw_their_offers_when_stopped(procs, mod
     closes its leases; the worker, whose main thread waits inside a collective, withdraws its offer
     on SIGTERM and still dies by it. A SIGKILLed serve process cannot withdraw its own offer (the
     next daemon removes it as stale), but its worker, signalled by PDEATHSIG, withdraws its own. With
-    WCACHE_ENABLE_V1_MULTIPROCESSING=1 the SIGKILLed process is the front: the engine core (rank 0)
-    sees its channel close and stops, withdrawing its offer too."""
+    two processes (the default) the SIGKILLed process is the front: the engine core (rank 0) sees its
+    channel close and stops, withdrawing its offer too."""
     socket_dir = prepare_socket_dir(None, create=False)
     for stop in ("group SIGTERM", "serve SIGKILL"):
         pre = procs.preload(model32, "-tp", "2", NO_TUNE)

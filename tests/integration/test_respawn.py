@@ -21,6 +21,7 @@ import time
 
 import pytest
 from itest import child_pids, run_cli, wait_until
+from procs import one_process
 from wcache.bench.respawn import failure_kind, kill_under_load, post
 from wcache.engine.respawn.respawn import BACKOFF_S, BEAT_S, HUNG, HUNG_CAUSE, MAX_DEATHS, STABLE_S, TIMELINE
 from wcache.engine.worker import memory
@@ -28,6 +29,14 @@ from wcache.engine.respawn.spare import SPARE_COLD_COPY, SPARE_HOT
 from wcache.errors import MAPPED, RespawnError
 
 SPARE = "Spare engine worker pid"
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process():
+    # About the one-process engine's --respawn supervisor (engine/respawn/), which hands connections to
+    # worker processes; the default's front replaces engine cores itself (test_core_failover.py).
+    with one_process():
+        yield
+
 IPC = ("--load-format", "ipc_cache", "--model-loader-extra-config", '{"fallback": false}')
 
 

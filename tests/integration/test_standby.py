@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from itest import alive, call, default_socket, memfd_inode, rank_pids, wait_until
-from procs import complete, free_port
+from procs import complete, engine_pid, free_port
 from wcache.core.checkpoint import make_checkpoint
 from wcache.core.device import device_identity
 from wcache.wire.sockets import socket_name
@@ -122,7 +122,7 @@ def test_a_standby_takes_over_and_adopts_the_running_engines_arena(procs, tiny_m
     print(f"standby takeover: SIGKILL of the active daemon to READY in {time.monotonic() - t0:.2f} s")
     log = standby.log()
     assert TAKING_OVER.format(path=sock) in log
-    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine.pid, n=27) in log and LOADED not in log, log
+    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine_pid(engine.pid), n=27) in log and LOADED not in log, log
     assert rank_pids(standby.pid) == [rank] and memfd_inode(rank) == inode  # the prewarmed rank, the engine's memory
 
     disk = procs.serve(tiny_model, NO_TUNE)
@@ -144,16 +144,17 @@ def test_a_standby_waits_for_an_engine_that_offers_late(procs, tiny_model, wcach
     sock = default_socket(wcache_env)
     engine = procs.serve(tiny_model, *ZERO_COPY)
     standby = standing_by(procs, tiny_model, sock)
-    os.kill(engine.pid, signal.SIGSTOP)
+    held = engine_pid(engine.pid)  # the process whose rank holds the lease: the core with two processes
+    os.kill(held, signal.SIGSTOP)
     try:
         first.kill_group()
         standby.wait_for_log(TAKING_OVER.format(path=sock), timeout=30)
         time.sleep(late_s)  # its rank is at the offers by now, and finds none
     finally:
-        os.kill(engine.pid, signal.SIGCONT)
+        os.kill(held, signal.SIGCONT)
     standby.wait_for_log(READY, timeout=60)
     log = standby.log()
-    assert ADOPTED.split("{mib")[0].format(rank=0, pid=engine.pid, n=27) in log and LOADED not in log, log
+    assert ADOPTED.split("{mib")[0].format(rank=0, pid=held, n=27) in log and LOADED not in log, log
     assert complete(engine.port, "late")["choices"] == complete(procs.serve(tiny_model, NO_TUNE).port, "late")["choices"]
 
 

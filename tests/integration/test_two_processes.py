@@ -1,5 +1,5 @@
-"""`wcache serve` as a front process and an engine core (WCACHE_ENABLE_V1_MULTIPROCESSING=1,
-engine/api_server/front.py): real processes, real HTTP, the same answers as one process gives."""
+"""`wcache serve` as a front process and an engine core (the default; WCACHE_ENABLE_V1_MULTIPROCESSING=0
+runs one process, engine/api_server/front.py): real processes, real HTTP, the same answers as one process gives."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from procs import alive, child_pids, complete, free_port, http, wait_until
 
-ON = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "1"}
+ENV = "WCACHE_ENABLE_V1_MULTIPROCESSING"
 CORE_PID = re.compile(r"Engine ready \(pid (\d+), engine core pid (\d+)\)")
 PROMPTS = ["Hello", "The cat", "Once upon a time", "a b c", "weights", "GPU", "1 2 3", "stream me"]
 
@@ -25,7 +25,7 @@ LONG = 500  # tokens: about a second of decoding on a 2-core CPU, far longer tha
 
 
 def serve(procs, model, *extra):
-    p = procs.serve(model, "--max-model-len", "512", *extra, env=ON)
+    p = procs.serve(model, "--max-model-len", "512", *extra)  # the default: two processes
     p.front_pid, p.core_pid = map(int, CORE_PID.search(p.log()).groups())
     return p
 
@@ -96,6 +96,22 @@ def test_the_front_has_no_torch_and_the_core_has(engine):
     assert "libtorch" in maps(engine.core_pid)
 
 
+def test_the_variable_unset_or_1_is_two_processes_0_is_one_and_any_other_value_is_refused(engine, procs, tiny_model):
+    if ENV in os.environ:
+        pytest.skip(f"{ENV} is set in this run's environment, so no engine here runs with the default")
+    assert engine.core_pid != engine.front_pid  # the module's engine, started without the variable
+    on = procs.serve(tiny_model, "--max-model-len", "512", env={ENV: "1"})
+    assert CORE_PID.search(on.log())
+    off = procs.serve(tiny_model, "--max-model-len", "512", env={ENV: "0"})
+    assert "engine core pid" not in off.log() and "libtorch" in maps(off.pid)
+    assert not [c for c in child_pids(off.pid) if b"core_proc" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    for value in ("", "yes", "true", "2"):
+        bad = procs.serve(tiny_model, env={ENV: value}, ready=False)
+        assert bad.exit_code(60) == 2, bad.log()
+        assert (f"WCACHE_ENABLE_V1_MULTIPROCESSING must be 1 (the default: a front process and an engine core) "
+                f"or 0 (one process), not {value!r}") in bad.log()
+
+
 def test_completions_streamed_and_not_are_the_same_text(engine):
     body = complete(engine.port, "Hello", 12)
     assert body["usage"]["completion_tokens"] == 12 and body["choices"][0]["finish_reason"] == "length"
@@ -120,7 +136,7 @@ def test_logprobs_prompt_scores_and_stop_settings_cross_the_channel_unchanged(en
     tests run one process."""
     body = {"prompt": "Hello", "max_tokens": 12, "logprobs": 3, "echo": True, "min_tokens": 4, "ignore_eos": True,
             "return_tokens_as_token_ids": True}
-    one = procs.serve(tiny_model, "--max-model-len", "512", env={"WCACHE_ENABLE_V1_MULTIPROCESSING": "0"})
+    one = procs.serve(tiny_model, "--max-model-len", "512", env={ENV: "0"})
     status, split = http("POST", url(engine, "/v1/completions"), body)
     assert status == 200, split
     status, alone = http("POST", f"http://127.0.0.1:{one.port}/v1/completions", body)
@@ -232,13 +248,13 @@ def test_the_core_killed_fails_the_requests_in_flight_and_the_front_exits(procs,
 
 
 def test_the_core_refusing_its_flags_stops_the_front_with_its_status(procs, tiny_model):
-    p = procs.serve(tiny_model, "--max-model-len", "100000", env=ON, ready=False)
+    p = procs.serve(tiny_model, "--max-model-len", "100000", ready=False)
     assert p.exit_code(60) == 2
     assert "max_model_len" in p.log() or "max-model-len" in p.log()
 
 
 def test_health_is_503_until_the_core_has_loaded(procs, tiny_model):
-    p = procs.serve(tiny_model, env=ON, ready=False)
+    p = procs.serve(tiny_model, ready=False)
     port, seen = p.port, []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not seen or seen[-1][0] != 200):

@@ -12,6 +12,9 @@ from wcache.engine.core.core_messages import (
     AbortRequest,
     AddRequest,
     ChannelError,
+    Prepared,
+    Proceed,
+    Promote,
     RequestOutput,
     Sampling,
     StepOutputs,
@@ -53,6 +56,20 @@ def test_a_resumed_request_carries_the_tokens_already_sent(pair):
     assert first.output_token_ids == []  # a fresh request's default, so older senders still decode
     front.send(msgspec.structs.replace(first, output_token_ids=[9, 8]))
     assert core.recv().output_token_ids == [9, 8]
+
+
+def test_a_spare_is_told_so_says_prepared_and_waits_for_promote(pair):
+    """front_failover.py's spare: Proceed(spare=True), Prepared back, then Promote (its KV cache)."""
+    front, core = pair
+    front.send(Proceed())
+    front.send(Proceed(spare=True))
+    front.send(Promote())
+    assert [core.recv() for _ in range(3)] == [Proceed(spare=False), Proceed(spare=True), Promote()]
+    core.send(Prepared(4242))
+    assert front.recv() == Prepared(4242)
+    core.send(Promote())  # a message of the other direction is refused, not taken
+    with pytest.raises(ChannelError, match="malformed frame on the engine core channel"):
+        front.recv()
 
 
 def test_the_sampling_struct_is_built_from_sampling_params_fields():

@@ -97,7 +97,7 @@ def cmd_serve(args) -> int:
     from wcache.engine.api_server.settings import ServeSettings
 
     settings = from_flags(ServeSettings, args)
-    if _two_processes(["--respawn"] if args.respawn else []):  # the front: no torch here (engine/api_server/front.py)
+    if _two_processes():  # the front: no torch here (engine/api_server/front.py)
         from wcache.engine.api_server.front import run_front
 
         return run_front(settings)
@@ -135,26 +135,31 @@ def cmd_bench(args) -> int:
     return run_bench(settings)
 
 
-def _two_processes(argv: list[str]) -> bool:
+def _two_processes() -> bool:
     """`wcache serve` as a front and an engine core (engine/api_server/front.py says when)."""
-    import os
-
-    if os.environ.get("WCACHE_ENABLE_V1_MULTIPROCESSING", "0") != "1":
-        return False
     from wcache.engine.api_server.front import enabled
 
-    return enabled("--respawn" in argv)
+    return enabled()
 
 
 def main(argv: list[str] | None = None) -> int:
     no_dump.forbid()  # the engine's and the launcher's memory, sockets and keys: see core/no_dump.py
     argv = sys.argv[1:] if argv is None else argv
     command = command_named(argv)
-    if command == "serve" and not _two_processes(argv):  # the CUDA context is made while the engine imports
-        # (early_context.py); a front leaves the device to its engine core
-        from wcache.engine.worker import early_context
+    if command == "serve":
+        from wcache.errors import MultiprocessingEnvError
 
-        early_context.start(argv)
+        try:
+            two = _two_processes()
+        except MultiprocessingEnvError as e:  # before any flag is read: the layout decides what imports
+            logs.setup()
+            log.error("%s", e)
+            return 2
+        if not two:  # the CUDA context is made while the engine imports (early_context.py); a front
+            # leaves the device to its engine core
+            from wcache.engine.worker import early_context
+
+            early_context.start(argv)
     if command != "preload" or {"-h", "--help"} & set(argv):
         return _main(argv, command)
     # The first daemon rank imports torch while this process imports and plans (without torch):

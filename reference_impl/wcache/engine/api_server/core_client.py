@@ -44,6 +44,7 @@ from wcache.engine.core.core_messages import (
     Status,
     StepOutputs,
     Unhealthy,
+    Waiting,
     front_channel,
     prompt_scores_of,
     sampled_of,
@@ -55,6 +56,7 @@ from wcache.engine.core.settings import CoreSettings
 from wcache.engine.core.scheduler import QueueFull
 from wcache.engine.core.textstream import TextStream
 from wcache.engine.api_server.front_failover import stop_core
+from wcache.engine.loading import waiting as cache_wait
 from wcache.errors import (
     CORE_EXITED,
     CORE_FAILED,
@@ -76,6 +78,14 @@ class CoreConfig:
 
     device: str
     hf: dict = field(default_factory=dict)
+
+
+def show_waiting(msg: Waiting) -> None:
+    """This process's /health while the core waits for the weight cache daemon (engine/loading/waiting.py)."""
+    if msg.state is None:
+        cache_wait.clear()
+    else:
+        cache_wait.set_waiting(msg.state.get("socket"), msg.state.get("reason", ""), msg.state.get("timeout_s", 0))
 
 
 def spawn_core(settings: CoreSettings) -> tuple[subprocess.Popen, socket.socket]:
@@ -109,6 +119,7 @@ class EngineCoreClient:
         self._alive: float | None = None
         self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
         self._timeline: dict | None = None  # a failover's phases until the promoted core's first frame
+        self.on_promoted = None  # called with the promoted core's Ready once it serves (--respawn)
 
     # -- start-up (the front's main thread) ------------------------------------------------------
     def planned(self) -> Planned | None:
@@ -134,6 +145,9 @@ class EngineCoreClient:
     def _first(self, kind):
         try:
             msg = self.channel.recv()
+            while isinstance(msg, Waiting):  # the core's loader waits for the daemon: /health says so
+                show_waiting(msg)
+                msg = self.channel.recv()
         except ChannelError as e:
             log.error("%s", e)
             msg = None
@@ -318,6 +332,9 @@ class EngineCoreClient:
             old.close()
             self._timeline = {**timeline, "resumed": resumed, "requests_sent": time.monotonic()}
             threading.Thread(target=self._read, args=(self.channel,), name="wcache-core-reader", daemon=True).start()
+        self.report = core.ready.report  # what /metrics and the load's labels now describe
+        if self.on_promoted is not None:
+            self.on_promoted(core.ready)
 
     def _log_timeline(self) -> None:
         timeline, self._timeline = self._timeline, None

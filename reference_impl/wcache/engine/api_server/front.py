@@ -1,4 +1,4 @@
-"""`wcache serve` as two processes (``WCACHE_ENABLE_V1_MULTIPROCESSING=1``), as vLLM V1 runs: this
+"""`wcache serve` as two processes (the default; ``WCACHE_ENABLE_V1_MULTIPROCESSING=0`` runs one), as vLLM V1 runs: this
 one, the front, owns the listening socket and every client connection, tokenizes, detokenizes,
 applies stop strings and writes every byte of every answer; the engine core (engine/core/core_proc.py)
 owns the device, the weights, the KV cache and the scheduler. The front imports no torch.
@@ -20,6 +20,7 @@ import threading
 
 from wcache.engine.api_server.core_client import EngineCoreClient, spawn_core
 from wcache.engine.api_server.settings import ServeSettings
+from wcache.errors import MultiprocessingEnvError
 
 log = logging.getLogger("wcache.engine")
 
@@ -27,11 +28,15 @@ ENV = "WCACHE_ENABLE_V1_MULTIPROCESSING"
 DEATH_GRACE_S = 2.0  # after the core died: how long the requests in flight get to write their error
 
 
-def enabled(respawn: bool) -> bool:
-    """Whether `wcache serve` runs as front and core: the variable is 1. With --respawn too the front
-    then replaces dead cores itself (engine/api_server/front_failover.py); with the variable off, --respawn is
-    the older supervisor's (engine/respawn/respawn.py)."""
-    return os.environ.get(ENV, "0") == "1"
+def enabled() -> bool:
+    """Whether `wcache serve` runs as front and core: unless the variable is 0, as vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING defaults to 1. With --respawn the front then replaces dead cores
+    itself (engine/api_server/front_failover.py); with 0, --respawn is the older supervisor's
+    (engine/respawn/respawn.py). Any other value is refused: a typo must not pick a layout silently."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise MultiprocessingEnvError(MultiprocessingEnvError.VALUE.format(value=value))
+    return value == "1"
 
 
 def run_front(settings: ServeSettings) -> int:
@@ -78,6 +83,7 @@ def run_front(settings: ServeSettings) -> int:
     if settings.core.respawn:  # a spare core loads now, to take over at the serving one's death
         from wcache.engine.api_server.front_failover import Failover
 
+        client.on_promoted = lambda ready: server.metrics.core_promoted(ready.report, ready.load_format)
         client.failover = Failover(settings.core, spawn_core)
         client.failover.start_spare()
         client.failover.watch(client, settings.respawn_heartbeat_timeout)

@@ -1,8 +1,10 @@
-"""`wcache serve --respawn` as front and engine core (``WCACHE_ENABLE_V1_MULTIPROCESSING=1``): the
+"""`wcache serve --respawn` as front and engine core (the default layout): the
 front keeps every connection and replaces its cores. A spare core is started ahead (Start, Planned,
-Proceed: it loads the weights and says Ready) and is left unread until the serving core dies; then
-core_client.py hands it every request in flight with the token ids already sent (AddRequest's
-``output_token_ids``) and the streams go on where they stopped. Then a new spare starts.
+Proceed(spare): it loads the weights, runs a warm-up forward and says Prepared) and is left unread
+until the serving core dies. Only then is it told Promote: it sizes and allocates its KV cache in the
+memory the dead core left and says Ready (two KV caches, each sized to the free memory, would not fit
+one GPU). core_client.py hands it every request in flight with the token ids already sent
+(AddRequest's ``output_token_ids``) and the streams go on where they stopped. Then a new spare starts.
 
 Why here and not the old supervisor's design (engine/respawn/respawn.py): the front writes every byte of
 every answer and knows each request's tokens, so nothing a client holds is lost with a core; the
@@ -26,9 +28,12 @@ from dataclasses import dataclass
 from wcache.engine.core.core_messages import (
     ChannelError,
     Planned,
+    Prepared,
     Proceed,
+    Promote,
     Ready,
     Shutdown,
+    Waiting,
     front_channel,
 )
 from wcache.engine.core.failover_policy import (
@@ -56,11 +61,11 @@ SPARE_STOP_S = 30.0  # a spare told to stop (the front drains and exits) has thi
 
 @dataclass
 class Core:
-    """An engine core the front started: its process, its channel and its Ready."""
+    """An engine core the front started: its process, its channel and its Ready (once promoted)."""
 
     proc: subprocess.Popen
     channel: object
-    ready: Ready
+    ready: Ready | None = None
 
 
 class Failover:
@@ -111,14 +116,17 @@ class Failover:
 
     @staticmethod
     def _load(proc: subprocess.Popen, channel) -> Core | None:
-        """Planned, Proceed, Ready: the spare loads and is then left unread until promoted."""
+        """Planned, Proceed(spare), Prepared: the spare loads all but its KV cache and is then left
+        unread until promoted."""
         try:
             planned = channel.recv()
             if isinstance(planned, Planned) and planned.drives:
-                channel.send(Proceed())
-                ready = channel.recv()
-                if isinstance(ready, Ready):
-                    return Core(proc, channel, ready)
+                channel.send(Proceed(spare=True))
+                msg = channel.recv()
+                while isinstance(msg, Waiting):  # a spare's wait for the daemon: the serving core's /health stays
+                    msg = channel.recv()
+                if isinstance(msg, Prepared):
+                    return Core(proc, channel)
         except (ChannelError, OSError) as e:
             log.error("%s", e)
         proc.kill()
@@ -135,20 +143,50 @@ class Failover:
         if self._row >= MAX_DEATHS:  # the MAX_DEATHS-th in a row, as respawn.py counts
             log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(code), n=self._row, stable=STABLE_S))
             return None
-        with self._cv:
-            while self.spare is None and not (self.gave_up or self.closed):
-                if self._starting is None:  # none under way (its start failed earlier): one now
-                    self.start_spare()
-                    self._starting = True
-                self._cv.wait(0.5)
-            core, self.spare = self.spare, None
-        if core is None:
-            return None
+        while True:
+            with self._cv:
+                while self.spare is None and not (self.gave_up or self.closed):
+                    if self._starting is None:  # none under way (its start failed earlier): one now
+                        self.start_spare()
+                        self._starting = True
+                    self._cv.wait(0.5)
+                core, self.spare = self.spare, None
+            if core is None:
+                return None
+            if self._allocate(core):
+                break
+            with self._cv:  # it died allocating: counted as a spare that never loaded; the next one
+                self._failed += 1
+                log.error(CORE_SPARE_FAILED.format(pid=core.proc.pid, cause=cause(core.proc.returncode),
+                                                   n=self._failed, limit=MAX_DEATHS))
+                if self._failed >= MAX_DEATHS:
+                    self.gave_up = True
+                    return None
         self._promoted_at = time.monotonic()
         log.warning(CORE_PROMOTED.format(pid=core.proc.pid, dead=dead_pid, cause=cause(code),
                                          ms=(time.monotonic() - now) * 1e3))
         self.start_spare(SPARE_DELAY_S)
         return core
+
+    @staticmethod
+    def _allocate(core: Core) -> bool:
+        """Promote: the spare sizes and allocates its KV cache now, then says Ready (False: it died)."""
+        try:
+            core.channel.send(Promote())
+            while True:
+                msg = core.channel.recv()
+                if msg is None or isinstance(msg, Ready):
+                    break
+        except (ChannelError, OSError) as e:
+            log.error("%s", e)
+            msg = None
+        if isinstance(msg, Ready):
+            core.ready = msg
+            return True
+        core.proc.kill()
+        core.proc.wait()
+        core.channel.close()
+        return False
 
     # -- a stopped or hung core (its channel stays open) -------------------------------------------
     def watch(self, client, timeout: float) -> None:

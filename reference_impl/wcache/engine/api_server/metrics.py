@@ -133,7 +133,19 @@ class EngineMetrics:
             if self._counted_load:
                 return
             self._counted_load = True
-        labels = load_labels(engine.report, engine.load_format)
+        self._count(engine.report, engine.load_format)
+
+    def core_promoted(self, report, load_format: str) -> None:
+        """A --respawn spare engine core took over (front_failover.py): its own load is counted, as the
+        one-process supervisor's workers each count theirs."""
+        Background(self._count_again, report, load_format)
+
+    def _count_again(self, report, load_format: str) -> None:
+        self._build()
+        self._count(report, load_format)
+
+    def _count(self, report, load_format: str) -> None:
+        labels = load_labels(report, load_format)
         self.stored[LOADS.name].labels(self.server.model_name, labels["source"]).inc()
         if labels["reason"]:
             self.stored[FALLBACKS.name].labels(self.server.model_name, labels["reason"]).inc()

@@ -26,7 +26,9 @@ from wcache.engine.core.core_messages import (
     ChannelError,
     LoadInfo,
     Planned,
+    Prepared,
     Proceed,
+    Promote,
     QueueFullError,
     Ready,
     RequestOutput,
@@ -34,6 +36,7 @@ from wcache.engine.core.core_messages import (
     Status,
     StepOutputs,
     Unhealthy,
+    Waiting,
     params_of,
     prompt_scored_of,
     token_of,
@@ -45,8 +48,9 @@ from wcache.engine.worker.runner import RankRunner
 from wcache.engine.worker.sampling import Sampler
 from wcache.engine.core.scheduler import ARRIVAL_WAIT_S, QueueFull, Sequence
 from wcache.engine.core.settings import CoreSettings
+from wcache.engine.loading import waiting as cache_wait
 from wcache.engine.worker.supervisor import Supervisor, start_local_ranks
-from wcache.errors import FRONT_GONE, RespawnError
+from wcache.errors import CORE_SPARE_PREPARED, CORE_SPARE_PROMOTED, FRONT_GONE, RespawnError
 
 log = logging.getLogger("wcache.engine")
 
@@ -123,6 +127,8 @@ class EngineCore:
         self._last_add = 0.0
         self.stopping = threading.Event()
         self.proceed = threading.Event()
+        self.spare = False  # a --respawn spare (Proceed's word): no KV cache before Promote
+        self.promoted = threading.Event()
         threading.Thread(target=self._sender, name="wcache-core-send", daemon=True).start()
 
     # -- to the front ----------------------------------------------------------------------------
@@ -204,7 +210,10 @@ class EngineCore:
             if seq is not None and self.engine is not None:
                 self.engine.scheduler.cancel(seq)
         elif isinstance(msg, Proceed):
+            self.spare = msg.spare
             self.proceed.set()
+        elif isinstance(msg, Promote):
+            self.promoted.set()
 
     def _add(self, msg: AddRequest) -> None:
         engine = self.engine
@@ -254,6 +263,8 @@ def run_core(settings: CoreSettings, loader_config, channel) -> int:
     """``run_serve``'s start-up and step loop, with the front on the other end of ``channel``."""
     core = EngineCore(channel)
     threading.Thread(target=core.serve_channel, name="wcache-core-recv", daemon=True).start()
+    # The loader's wait for the daemon is told to the front, whose /health shows it (waiting.py).
+    cache_wait.subscribe(lambda body: core.send(Waiting(body and {k: body[k] for k in ("socket", "reason", "timeout_s")})))
     plan, specs = rank_specs(settings.engine, loader_config)
     if settings.respawn and plan.world_size > 1:  # spares and resumes are one rank's (front_failover.py)
         raise RespawnError(RespawnError.ONE_RANK.format(world=f"{plan.world_size} ranks", layout=plan.layout.describe()))
@@ -265,7 +276,12 @@ def run_core(settings: CoreSettings, loader_config, channel) -> int:
     if not runner.plain:
         log.info("Engine for data-parallel rank %d: %s; %d rank(s) here, engine world of %d at %s", plan.dp_rank,
                  plan.layout.describe(), len(specs), plan.world_size, plan.init_method)
-    supervisor = core.supervisor = start_local_ranks(runner, specs, plan, _FrontHealth(core), runner.start)
+    start = runner.start
+    if core.spare:
+        if not _prepare_spare(core, runner):
+            return 0  # told to stop while it waited
+        start = runner.finish  # the KV cache, sized to what the dead core left free
+    supervisor = core.supervisor = start_local_ranks(runner, specs, plan, _FrontHealth(core), start)
     engine = CoreEngine(runner, core)
     engine.scheduler.wait_arrived = core.wait_arrived
     core.engine = engine
@@ -287,3 +303,19 @@ def run_core(settings: CoreSettings, loader_config, channel) -> int:
     if runner.world.size > 1:
         exit_after_collectives(code)
     return code
+
+
+def _prepare_spare(core: EngineCore, runner: RankRunner) -> bool:
+    """A --respawn spare (front_failover.py): weights and warm-up now, then wait for Promote, so it
+    holds no KV cache while the serving core holds its own (two, each sized to the device's free
+    memory, do not fit a GPU). False: the front told it to stop before promoting it."""
+    t0 = time.monotonic()
+    runner.prepare()
+    log.info(CORE_SPARE_PREPARED.format(pid=os.getpid(), seconds=time.monotonic() - t0, source=runner.report.source))
+    core.send(Prepared(os.getpid()))
+    while not core.promoted.wait(0.5):
+        if core.stopping.is_set():
+            runner.close()
+            return False
+    log.info(CORE_SPARE_PROMOTED.format(pid=os.getpid()))
+    return True

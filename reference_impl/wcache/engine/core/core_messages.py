@@ -77,7 +77,15 @@ class Start(_Msg):
 
 
 class Proceed(_Msg):
-    """After Planned: the front holds its port (or serves no HTTP on this node); the core loads."""
+    """After Planned: the front holds its port (or serves no HTTP on this node); the core loads.
+    A --respawn spare (``spare``) loads all but its KV cache, says Prepared and waits for Promote:
+    two KV caches, each sized to the device's free memory, would not fit one GPU."""
+
+    spare: bool = False
+
+
+class Promote(_Msg):
+    """To a Prepared spare whose serving core died: allocate the KV cache, then say Ready."""
 
 
 class AddRequest(_Msg):
@@ -114,6 +122,12 @@ class LoadInfo(msgspec.Struct, forbid_unknown_fields=True):
     external_bytes: int = 0
     fallback_kind: str | None = None
     transport: str | None = None
+
+
+class Prepared(_Msg):
+    """A spare's word after Proceed(spare=True): weights loaded, warm-up run, no KV cache yet."""
+
+    pid: int
 
 
 class Ready(_Msg):
@@ -181,6 +195,13 @@ class QueueFullError(_Msg):
     limit: int
 
 
+class Waiting(_Msg):
+    """The core's loader waits for the weight cache daemon (engine/loading/waiting.py): the front's
+    /health says so, as one process's does. ``state`` (socket, reason, timeout_s) None: it waits no more."""
+
+    state: dict[str, Any] | None = None
+
+
 class Unhealthy(_Msg):
     """An engine rank of this node died after start-up: /health answers 503 (engine/worker/supervisor.py)."""
 
@@ -191,8 +212,8 @@ class Status(_Msg):
     daemon_alive: float | None = None  # zero_copy only (engine/api_server/metrics.py)
 
 
-ToCore = Start | Proceed | AddRequest | AbortRequest | Shutdown
-ToFront = Planned | Ready | StepOutputs | QueueFullError | Status | Unhealthy
+ToCore = Start | Proceed | Promote | AddRequest | AbortRequest | Shutdown
+ToFront = Planned | Prepared | Ready | Waiting | StepOutputs | QueueFullError | Status | Unhealthy
 
 
 class Channel:

@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
     try:
         return run_core(settings, parse_loader_config(settings.model_loader_extra_config), channel)
     except UserError as e:
-        log.error("%s", e)
+        # As `wcache serve` in one process prints it (its command line's logger): the same line either way.
+        logging.getLogger("wcache.cli").error("%s", e)
         return 2
 
 
