@@ -24,6 +24,17 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ["auto", *checkpoint_files.DTYPE_NAMES]
 
 
+def model_config(model: str, dtype: str = "auto") -> tuple[dict, str]:
+    """(config.json resolved, the compute dtype's name): what the engine refuses a checkpoint for,
+    read without torch, so the front of a two-process `wcache serve` refuses it as the engine would."""
+    hf = checkpoint_files.read_config(model)
+    name = (llama_config.auto_dtype(hf, Path(model) / "config.json", lambda: checkpoint_files.stored_dtype(model))
+            if dtype == "auto" else dtype)
+    if name not in checkpoint_files.DTYPE_NAMES:
+        raise ValueError(f"Unsupported dtype {name!r}; choose one of {DTYPE_CHOICES}")
+    return hf, name
+
+
 @dataclass(frozen=True)
 class Ranks:
     """One rank's place in the parallel layout. Global rank = dp*pp*tp + pp*tp + tp (upstream's)."""
@@ -68,11 +79,7 @@ class EngineConfig:
     @classmethod
     def build(cls, model: str, dtype: str = "auto", quantization: str | None = None, device: str = "auto",
               ranks: Ranks = Ranks(), revision: str | None = None) -> "EngineConfig":
-        hf = checkpoint_files.read_config(model)
-        name = (llama_config.auto_dtype(hf, Path(model) / "config.json", lambda: checkpoint_files.stored_dtype(model))
-                if dtype == "auto" else dtype)
-        if name not in checkpoint_files.DTYPE_NAMES:
-            raise ValueError(f"Unsupported dtype {name!r}; choose one of {DTYPE_CHOICES}")
+        hf, name = model_config(model, dtype)
         return cls(model=str(model), hf=hf, dtype_name=name, quant=quant.resolve(quantization, hf, str(Path(model) / "config.json")),
                    device=resolve_device(device), ranks=ranks, revision=revision or "main")
 

@@ -40,9 +40,13 @@ def enabled() -> bool:
 
 
 def run_front(settings: ServeSettings) -> int:
+    from wcache.core.config import model_config
     from wcache.engine.api_server.served import ServedModel
     from wcache.engine.api_server.server import EngineServer, run_until_signal
 
+    # The checkpoint's config first, as one process refuses it (run_serve's rank_specs reads it before
+    # the tokenizer): an unsupported model is named as such, not as a directory without a tokenizer.
+    model_config(settings.model, settings.core.engine.dtype)
     # Names, chat template, API key: a bad one stops before loading.
     served = ServedModel.from_settings(settings.model, settings.api)
     proc, sock = spawn_core(settings.core)
