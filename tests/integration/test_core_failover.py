@@ -92,7 +92,11 @@ def whole(events: list, reference: list, chat: bool = False) -> None:
     """Every token once, in order, then [DONE]; no error event."""
     assert not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
     assert events and events[-1] == "[DONE]", events[-3:]
-    assert text_of(events, chat) == text_of(reference, chat)
+    got, want = text_of(events, chat), text_of(reference, chat)
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert got == want, (f"{len(events)} events against {len(reference)}, {len(got)} characters against "
+                         f"{len(want)}, first difference at {at}: {got[max(0, at - 20):at + 20]!r} "
+                         f"against {want[max(0, at - 20):at + 20]!r}")
 
 
 def kill_serving_core(engine) -> float:
@@ -132,13 +136,17 @@ def test_four_greedy_streams_go_on_through_three_kills_with_the_uncrashed_text(e
     timelines = [json.loads(m) for m in TIMELINE.findall(engine.log())]
     assert len(timelines) == 3, engine.log()[-2000:]
     for t in timelines:
-        marks = [t[k] for k in ("channel_closed", "reaped", "spare_taken", "requests_sent", "first_output")]
+        marks = [t[k] for k in ("death_seen", "channel_closed", "spare_taken", "requests_sent", "first_output")]
         assert marks == sorted(marks) and 4 <= t["resumed"] <= 5, t
         print("phases (ms):", {k: round((b - a) * 1e3, 1) for k, a, b in zip(
-            ("reap", "promote", "re-add", "first tokens"), marks, marks[1:])})
-    # Measured from this process's kill: most of what the front cannot shorten is here, the kernel
-    # tearing the killed core down (its threads, its memory) before its end of the channel closes.
-    print("kill -> channel closed (ms):", [round((t["channel_closed"] - k) * 1e3, 1) for t, k in zip(timelines, kills)])
+            ("channel ended", "promote", "re-add", "first tokens"), marks, marks[1:])})
+    # From this process's kill to the front's knowing: the core's owner-death mutex wakes the front
+    # as the core dies (core/owner_death.py), before the kernel has torn it down (30 to 70 ms here
+    # for the channel's end alone, before the mutex).
+    print("kill -> death seen (ms):", [round((t["death_seen"] - k) * 1e3, 1) for t, k in zip(timelines, kills)])
+    # Seen before the channel ended (the mutex woke the front, which then ended the channel; without
+    # the mutex the two are one moment, the reader's).
+    assert all(t["death_seen"] < t["channel_closed"] for t in timelines), timelines
     # The issue's CPU target (KILL_TO_200_MS) is reported, not asserted: on this shared 2-core host the
     # median of 3 went from 43 to 61 ms between two runs of the same code (the fresh request shares its
     # first steps with the four resumed streams), so an assert would test the host's load.

@@ -75,6 +75,10 @@ class OwnerDeath:
         _check(_LIBC.pthread_mutex_init(ctypes.byref(mutex), attr), "pthread_mutex_init")
         del mutex  # no export of the map may outlive this call (mmap.close would refuse)
 
+    def close_fd(self) -> None:
+        """The watcher's descriptor, once the owner has inherited it (the mapping stays)."""
+        os.close(self.fd)
+
     # -- the owner -------------------------------------------------------------------------------
     def hold(self) -> None:
         """Lock the mutex on a thread of this process that never unlocks it: it is released only

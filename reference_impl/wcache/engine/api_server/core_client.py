@@ -57,9 +57,13 @@ from wcache.engine.core.scheduler import QueueFull
 from wcache.engine.core.textstream import TextStream
 from wcache.engine.api_server.front_failover import stop_core
 from wcache.engine.loading import waiting as cache_wait
+from wcache.core import owner_death
+from wcache.core.owner_death import OwnerDeath
+from wcache.engine.core.failover_policy import cause
 from wcache.errors import (
     CORE_EXITED,
     CORE_FAILED,
+    CORE_PROMOTED,
     STREAM_OVERFLOW,
     TEXT_WITHOUT_TOKENIZER,
 )
@@ -91,9 +95,16 @@ def show_waiting(msg: Waiting) -> None:
 def spawn_core(settings: CoreSettings) -> tuple[subprocess.Popen, socket.socket]:
     """The engine core process, told ``settings`` (no API key: it stays in the front), and this end of its channel."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.core.core_proc", str(theirs.fileno())],
-                            pass_fds=(theirs.fileno(),))
+    # The core holds this mutex for life: the front learns of its death as it dies (core/owner_death.py)
+    # rather than once the kernel has given its memory back and closed its end of the channel.
+    death = OwnerDeath() if owner_death.available() else None
+    extra = [death.fd] if death is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.engine.core.core_proc", str(theirs.fileno()),
+                             *map(str, extra)], pass_fds=(theirs.fileno(), *extra))
     theirs.close()
+    if death is not None:
+        death.close_fd()
+    proc.owner_death = death  # watched once the core has said it holds it (its first frame: Planned)
     front_channel(mine).send(Start(to_data(settings)))
     return proc, mine
 
@@ -119,12 +130,34 @@ class EngineCoreClient:
         self._alive: float | None = None
         self.on_unhealthy = None  # called (on the reader thread) when a rank of the core died
         self._timeline: dict | None = None  # a failover's phases until the promoted core's first frame
+        self._death_seen: float | None = None  # when the serving core's owner-death mutex woke us
         self.on_promoted = None  # called with the promoted core's Ready once it serves (--respawn)
 
     # -- start-up (the front's main thread) ------------------------------------------------------
     def planned(self) -> Planned | None:
         """The core's first word (whether this node serves HTTP); None if it exited first."""
-        return self._first(Planned)
+        planned = self._first(Planned)
+        if planned is not None:
+            self.watch_death(self.proc)
+        return planned
+
+    def watch_death(self, proc: subprocess.Popen) -> None:
+        """Once ``proc`` holds its owner-death mutex (it has sent a frame): at its death, if it still
+        serves, end its channel here, so the reader sees the end at once (buffered frames first)."""
+        death = getattr(proc, "owner_death", None)
+        if death is None:
+            return
+
+        def died() -> None:
+            with self._swap:  # not the channel of a core promoted meanwhile
+                if self.closed or proc is not self.proc:
+                    return
+                self._death_seen = time.monotonic()
+                try:
+                    self.channel.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        death.watch(died)
 
     def proceed(self) -> None:
         """Let the core load (after Planned, once the port is held)."""
@@ -290,14 +323,24 @@ class EngineCoreClient:
         if self.closed:
             self.dead = True
             return
-        code = self.proc.wait()
+        dead = self.proc
+        seen, self._death_seen = min(closed_at, self._death_seen or closed_at), None
         if self.failover is not None:
-            timeline = {"dead_pid": self.proc.pid, "channel_closed": closed_at, "reaped": time.monotonic()}
-            core = self.failover.promote(self.proc.pid, code)
+            # On the CPU the spare needs nothing the dead core still holds: it is promoted while the
+            # kernel tears the dead one down, and reaped after. A GPU's memory is freed only at the
+            # exit, and the spare sizes its KV cache from what is free: reap first there.
+            if self.cfg.device != "cpu":
+                dead.wait()
+            timeline = {"dead_pid": dead.pid, "death_seen": seen, "channel_closed": closed_at}
+            core = self.failover.promote(dead.pid, dead.wait)
             if core is not None:
                 timeline.update(pid=core.proc.pid, spare_taken=time.monotonic())
                 self._take_over(core, timeline)
+                self.watch_death(core.proc)
+                log.warning(CORE_PROMOTED.format(pid=core.proc.pid, dead=dead.pid, cause=cause(dead.wait()),
+                                                 ms=(timeline["spare_taken"] - seen) * 1e3))
                 return
+        code = dead.wait()
         self.dead = True
         log.error(CORE_EXITED.format(pid=self.proc.pid, code=code))
         error = RuntimeError(CORE_FAILED.format(code=code))

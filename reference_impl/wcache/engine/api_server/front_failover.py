@@ -49,7 +49,6 @@ from wcache.engine.core.settings import CoreSettings
 from wcache.errors import (
     CORE_GAVE_UP,
     CORE_HUNG,
-    CORE_PROMOTED,
     CORE_SPARE_FAILED,
     CORE_SPARE_READY,
 )
@@ -134,14 +133,15 @@ class Failover:
         return None
 
     # -- the serving core died (core_client.py's reader thread) ----------------------------------
-    def promote(self, dead_pid: int, code: int) -> Core | None:
+    def promote(self, dead_pid: int, reap) -> Core | None:
         """The spare to serve in place of the dead core (waiting for it if it still loads), or None
-        once the front gives up."""
+        once the front gives up. ``reap()``: the dead core's exit status, once the kernel has it
+        (the caller logs the promotion with it, after the requests are handed on)."""
         now = time.monotonic()
         soon = self._promoted_at is not None and now - self._promoted_at < STABLE_S
         self._row = self._row + 1 if soon else 1
         if self._row >= MAX_DEATHS:  # the MAX_DEATHS-th in a row, as respawn.py counts
-            log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(code), n=self._row, stable=STABLE_S))
+            log.error(CORE_GAVE_UP.format(pid=dead_pid, cause=cause(reap()), n=self._row, stable=STABLE_S))
             return None
         while True:
             with self._cv:
@@ -163,8 +163,6 @@ class Failover:
                     self.gave_up = True
                     return None
         self._promoted_at = time.monotonic()
-        log.warning(CORE_PROMOTED.format(pid=core.proc.pid, dead=dead_pid, cause=cause(code),
-                                         ms=(time.monotonic() - now) * 1e3))
         self.start_spare(SPARE_DELAY_S)
         return core
 

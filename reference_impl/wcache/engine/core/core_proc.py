@@ -1,4 +1,4 @@
-"""`wcache serve`'s engine core process: ``python -m wcache.engine.core.core_proc CHANNEL_FD``, started by the
+"""`wcache serve`'s engine core process: ``python -m wcache.engine.core.core_proc CHANNEL_FD [OWNER_DEATH_FD]``, started by the
 front (engine/api_server/front.py) as a fresh interpreter (never a fork of the front), with its end of the
 front's socket pair. Its first frame is ``Start``: its settings (settings.CoreSettings as msgpack: no
 pickle, and not on the command line, where ``ps`` shows them), checked again here. Then the CUDA
@@ -14,6 +14,7 @@ import sys
 
 from wcache import logs
 from wcache.core import no_dump
+from wcache.core.owner_death import OwnerDeath
 from wcache.core.settings import from_data
 from wcache.engine.core.settings import CoreSettings
 from wcache.engine.worker import early_context
@@ -34,6 +35,8 @@ def main(argv: list[str]) -> int:
     # that does nothing, not SIG_IGN: the ranks it starts get the default dispositions back at exec.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore)
+    if len(argv) > 1:  # held for this process's life: the front learns of its death from it (core/owner_death.py)
+        OwnerDeath(int(argv[1])).hold()
     channel = core_channel(socket.socket(fileno=int(argv[0])))
     try:
         start = channel.recv()
