@@ -86,16 +86,21 @@ def engine_pid(serve_pid: int) -> int:
     return cores[0]
 
 
-def core_pids(serve_pid: int) -> list[int]:
-    """The engine cores a `wcache serve` front started (a --respawn front: the serving one and its spare)."""
-    cores = []
-    for child in child_pids(serve_pid):
+def children_running(pid: int, module: str) -> list[int]:
+    """The children of ``pid`` started as ``python -m module`` (those gone meanwhile left out)."""
+    out = []
+    for child in child_pids(pid):
         try:
-            if b"wcache.engine.core.core_proc" in Path(f"/proc/{child}/cmdline").read_bytes():
-                cores.append(child)
+            if module.encode() in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
         except OSError:
             continue
-    return cores
+    return out
+
+
+def core_pids(serve_pid: int) -> list[int]:
+    """The engine cores a `wcache serve` front started (a --respawn front: the serving one and its spare)."""
+    return children_running(serve_pid, "wcache.engine.core.core_proc")
 
 
 ONE_PROCESS = {"WCACHE_ENABLE_V1_MULTIPROCESSING": "0"}  # `wcache serve` as one process (two are the default)
