@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from wcache.engine.core.core_engine import STATUS_INTERVAL_S
 
 from wcache.errors import (
     INTEGER_FIELD, LOGIT_BIAS_KEY, LOGIT_BIAS_SHAPE, LOGIT_BIAS_VOCAB, LOGPROBS_TOO_MANY, MIN_TOKENS_OVER_MAX,
@@ -175,6 +176,10 @@ def test_n_64_refused_by_a_full_queue_leaves_nothing_running(small_queue, stream
     t0 = time.perf_counter()
     status, answer = post(port, C, js(prompt="Hi", n=64, max_tokens=LONG, ignore_eos=True, stream=stream))
     assert status == 503 and json.loads(answer)["error"]["message"] == QUEUE_FULL.format(waiting=4, max=4), answer
+    # With two processes (the default) the front's gauges are the core's last Status, sent when they
+    # change, at most every STATUS_INTERVAL_S: read them only once the admitted choices are in one
+    # (they read (0, 0) from before the request otherwise, and the queue was still full after).
+    time.sleep(3 * STATUS_INTERVAL_S)
     while gauges(port) != (0.0, 0.0) and time.perf_counter() - t0 < 6 * one_long:
         time.sleep(0.02)
     idle_after = time.perf_counter() - t0
