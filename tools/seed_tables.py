@@ -14,8 +14,17 @@ def seed_records(bench_dir: Path = BENCH_DIR) -> list[tuple[Path, dict]]:
     return records("seed_gb_per_s", bench_dir)
 
 
-def _fan(d: dict) -> int:
-    return next(int(k.split("_")[1]) for k in d if k.startswith("fanout_") and k.endswith("_s") and k[7:-2].isdigit())
+def _fan(d: dict) -> int | None:
+    """The record's fan-out round size, or None where it ran none (`--seed-replicas 0`: one GPU)."""
+    return next((int(k.split("_")[1]) for k in d if k.startswith("fanout_") and k.endswith("_s") and k[7:-2].isdigit()),
+                None)
+
+
+def _fan_cells(d: dict, n: int | None) -> str:
+    if n is None:
+        return "| no round | | | |"
+    return (f"| {n} | {fmt_seconds(d[f'fanout_{n}_s'])} | {fmt_ratio(d[f'fanout_{n}_vs_single'])} "
+            f"| {d[f'source_bytes_sent_{n}_vs_model']:.2f}x the arena |")
 
 
 def seed_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
@@ -29,7 +38,5 @@ def seed_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") ->
         rows.append(f"| [{path.stem}]({link_prefix}{path.name}) | {device} | {load} | {fmt_bytes(d['model_bytes'])} "
                     f"| {d['seed_gb_per_s']:.2f} GB/s | {d['raw_tcp_gb_per_s']:.2f} GB/s "
                     f"| {d['raw_tcp_touched_gb_per_s']:.2f} GB/s | {d['seed_vs_raw_tcp']:.0%} "
-                    f"| {fmt_seconds(d['single_s'])} | {fmt_seconds(d['disk_s'])} | {n} "
-                    f"| {fmt_seconds(d[f'fanout_{n}_s'])} | {fmt_ratio(d[f'fanout_{n}_vs_single'])} "
-                    f"| {d[f'source_bytes_sent_{n}_vs_model']:.2f}x the arena |")
+                    f"| {fmt_seconds(d['single_s'])} | {fmt_seconds(d['disk_s'])} {_fan_cells(d, n)}")
     return "\n".join(rows) if len(rows) > 2 else NO_RECORD

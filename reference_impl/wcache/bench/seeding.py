@@ -142,6 +142,17 @@ def _round(source: DaemonUnderTest, replicas: int) -> dict:
     return {"how": m.group(2), "seconds": float(m.group(3)), "bytes_sent": int(m.group(4)), "arena": int(m.group(5))}
 
 
+def _fanout(fans: list, fan: int, window: float, single_s: float, model_bytes: int) -> dict:
+    """The fan-out round's fields: the median (lower) of the repeats, against one replica and the model."""
+    fan_s, fan_rep, fan_round = sorted(fans, key=lambda f: f[0])[(len(fans) - 1) // 2]
+    return {"window_s": window, "round_replicas": fan, f"fanout_{fan}_s": round(fan_s, 3),
+            f"fanout_{fan}_round_s": fan_round["seconds"], f"fanout_{fan}_how": fan_round["how"],
+            f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
+            f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
+            f"fanout_{fan}_vs_single": round(fan_s / single_s, 3),
+            f"source_bytes_sent_{fan}_vs_model": round(fan_round["bytes_sent"] / model_bytes, 4)}
+
+
 def run_bench_seed(settings: BenchSettings) -> int:
     from wcache.bench.host import environment
     from wcache.core.config import EngineConfig
@@ -159,7 +170,8 @@ def run_bench_seed(settings: BenchSettings) -> int:
     fan_src = None
     singles, seeds, rounds, disk, raw, touched, fans = [], [], [], [], [], [], []
     try:
-        fan_src, fan_address = bench.source(window, fan)
+        if fan:  # 0: no fan-out round (one GPU holds a source and one replica of a large model, not five)
+            fan_src, fan_address = bench.source(window, fan)
         for _ in range(repeat):
             took, (one,) = bench.replicas(address, 1)
             singles.append(took)
@@ -173,14 +185,14 @@ def run_bench_seed(settings: BenchSettings) -> int:
                              name="disk")
             disk.append(d.ready_s)
             d.stop()
-            took, replicas = bench.replicas(fan_address, fan)
-            fans.append((took, replicas, _round(fan_src, fan)))
+            if fan:
+                took, replicas = bench.replicas(fan_address, fan)
+                fans.append((took, replicas, _round(fan_src, fan)))
     finally:
         for s in (src, fan_src):
             if s is not None:
                 s.stop()
         shutil.rmtree(work, ignore_errors=True)
-    fan_s, fan_rep, fan_round = sorted(fans, key=lambda f: f[0])[(len(fans) - 1) // 2]  # the median (lower) one
     seed_s, raw_s = statistics.median(seeds), statistics.median(raw)
     single_s = statistics.median(singles)
     record = {**environment(cfg.device), "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -190,17 +202,16 @@ def run_bench_seed(settings: BenchSettings) -> int:
               "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
               "seed_s": round(seed_s, 4), "raw_tcp_s": round(raw_s, 4), "single_source_round_s": rounds[0]["seconds"],
               "single_s": round(single_s, 3), "disk_s": round(statistics.median(disk), 3),
-              "window_s": window, "round_replicas": fan, f"fanout_{fan}_s": round(fan_s, 3), f"fanout_{fan}_round_s": fan_round["seconds"],
-              f"fanout_{fan}_how": fan_round["how"], f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
-              f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
               "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],
                           "raw_tcp_touched_s": [round(r, 4) for r in touched], "single_s": [round(s, 3) for s in singles],
-                          "disk_s": [round(s, 3) for s in disk], f"fanout_{fan}_s": [round(f[0], 3) for f in fans],
-                          f"fanout_{fan}_round_s": [f[2]["seconds"] for f in fans],
-                          f"source_bytes_sent_{fan}": [f[2]["bytes_sent"] for f in fans]}}
+                          "disk_s": [round(s, 3) for s in disk]}}
     record["seed_vs_raw_tcp"] = round(record["seed_gb_per_s"] / record["raw_tcp_gb_per_s"], 3)
-    record[f"fanout_{fan}_vs_single"] = round(fan_s / single_s, 3)
-    record[f"source_bytes_sent_{fan}_vs_model"] = round(fan_round["bytes_sent"] / model_bytes, 4)
+    record["single_vs_disk"] = round(single_s / record["disk_s"], 3)
+    if fan:
+        record.update(_fanout(fans, fan, window, single_s, model_bytes))
+        record["samples"].update({f"fanout_{fan}_s": [round(f[0], 3) for f in fans],
+                                  f"fanout_{fan}_round_s": [f[2]["seconds"] for f in fans],
+                                  f"source_bytes_sent_{fan}": [f[2]["bytes_sent"] for f in fans]})
     text = json.dumps(record, indent=2)
     if settings.output:
         Path(settings.output).write_text(text + "\n")
