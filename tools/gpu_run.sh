@@ -42,9 +42,11 @@ OUT=${OUT:-$ROOT/.work/gpu-out}
 mkdir -p "$OUT"
 [ $# -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
 
-# The carried wheels (tools/gpu_wheels.sh), once per machine; the host's own packages stay.
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# The carried wheels (tools/gpu_wheels.sh), once per machine and again whenever the set changes (a warm
+# machine keeps /tmp/site from an earlier call); the host's own packages stay.
+if [ -d .whl ] && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    ls .whl > /tmp/site/.wheels
 fi
 # `wcache` (and `python`, which some pages type) for every process the pages start.
 mkdir -p /tmp/gpu-bin
