@@ -14,6 +14,8 @@
 #   records          llama-8b checkpoint (240), `wcache bench --repeat 3` with vmm_fd (260), then the
 #                    same checkpoint in FP8 (-q fp8, 240) and its vmm_fd bench (260): the handoff records
 #                    -> llama-8b-vmm_fd.json, llama-8b-fp8-vmm_fd.json and their .log
+#   retry     (300)        the tier's run of only the tests TIER_K selects (pytest -k): what failed last time
+#                                                    -> gpu-retry.log
 #   smoke     (300)        the GPU tests and two pages (quickstart, memory) through the tier's workers:
 #                          a quick check of the tier itself  -> gpu-smoke.log
 #   nvml                   what the driver charges a daemon and a zero_copy engine (probe) -> nvml.log
@@ -91,6 +93,7 @@ for s in "$@"; do
       [ -f /tmp/llama-8b-fp8/config.json ] || stage "checkpoint llama-8b fp8" 240 checkpoint-llama-8b-fp8.log \
         wcache make-checkpoint /tmp/llama-8b-fp8 --preset llama-8b -q fp8 || rc=1
       bench /tmp/llama-8b-fp8 llama-8b-fp8 vmm_fd 260 || rc=1 ;;
+    retry)  stage retry 300 gpu-retry.log bash tools/gpu_tier.sh -k "${TIER_K:?TIER_K: the tests to run again}" || rc=1 ;;
     smoke)  stage smoke 300 gpu-smoke.log bash tools/gpu_tier.sh -k "not test_page_on_gpu or quickstart or memory" || rc=1 ;;
     nvml)   stage nvml 90 nvml.log python3 tools/probes/nvml_probe.py || rc=1 ;;
     tests)  stage tests 420 gpu-tests.log python3 -m pytest tests -m gpu -k "not test_page_on_gpu" -p no:cacheprovider || rc=1 ;;

@@ -59,3 +59,21 @@ def _reading(root: int, tree: bool = True) -> int:
     assert held is not None, "NVML cannot list the device's processes and their memory here"
     pids = process_tree(root) if tree else {root}
     return sum(held.get(p, 0) for p in pids)
+
+
+_BARE = "import torch; torch.empty(1, device='cuda'); print('up', flush=True); input()"
+
+
+def bare_context_bytes() -> int:
+    """What a process that only made a CUDA context (and one tiny tensor) holds on device 0: what
+    every daemon and engine pays before its own memory."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", _BARE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        return tree_bytes(p.pid)
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)

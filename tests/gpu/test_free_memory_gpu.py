@@ -98,7 +98,10 @@ def test_a_cuda_out_of_memory_while_sizing_is_one_named_line(tiny_model, wcache_
     total = torch.cuda.mem_get_info()[1]
     argv = serve_argv(tiny_model, 6 * GiB / total, "--max-num-seqs", "8192")
     code = OUT_OF_MEMORY.format(fraction=GiB / total, argv=argv)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=wcache_env, timeout=240)
+    # The allocator's fraction is this process's own: the engine sizes its KV cache here only in one
+    # process (with two, the core is a child that never saw it, started, and the run hung to its timeout).
+    one_process = {**wcache_env, "WCACHE_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=one_process, timeout=240)
     line = one_error_line(out, "CUDA out of memory while")
     assert "CUDA out of memory while sizing and allocating the KV cache (" in line
     assert line.endswith("): memory outside the budget (CUDA contexts, other processes) took the rest. Lower "

@@ -9,6 +9,7 @@ On a machine without CUDA every test here is skipped, with the reason printed by
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def test_a_replica_on_the_same_gpu_seeds_its_cuda_arena_and_answers_the_same_tok
         base = free_port()
         procs.preload(model, "--weight-cache-transport", transport, "--weight-cache-seed-listen",
                       f"127.0.0.1:{base}", "--weight-cache-seed-token", TOKEN, "--weight-cache-seed-round-window", "0")
-        sock_dir, root = tmp_path / "rs", tmp_path / "rroot"
+        # a short socket directory: pytest's tmp_path under the tier's workers is past a Unix socket's 107 bytes
+        sock_dir, root = Path(procs.env["TMPDIR"]) / "rs", tmp_path / "rroot"
         sock_dir.mkdir(mode=0o700)
         rep = procs.preload(bare, "--weight-cache-transport", transport, "--weight-cache-socket-dir", str(sock_dir),
                             "--weight-cache-seed", f"127.0.0.1:{base}", "--weight-cache-seed-token", TOKEN,
