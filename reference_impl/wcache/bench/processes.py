@@ -96,16 +96,39 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """The resident set of ``pid`` and its descendants (a launcher and its ranks); a process that
-    exits meanwhile counts for nothing."""
-    total, todo = 0, [pid]
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants (a launcher and its ranks), as they are now."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
         try:
-            total += rss_bytes(p)
             for task in os.listdir(f"/proc/{p}/task"):
                 todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
         except (OSError, ValueError):
             continue
+        out.append(p)
+    return out
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """The resident set of ``pid`` and its descendants (a launcher and its ranks); a process that
+    exits meanwhile counts for nothing."""
+    total = 0
+    for p in tree_pids(pid):
+        try:
+            total += rss_bytes(p)
+        except OSError:
+            continue
     return total
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) ``pid`` and its living descendants have used so far."""
+    ticks = 0
+    for p in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -20,6 +20,10 @@ side of a comparison alike. Per measurement:
 * ``fanout_s``: N replicas spawned at once, to the last READY, from a source whose round window is
   ``window_s`` and that expects ``round_replicas`` (N): the round starts once the N have asked, or at
   the window's end with those that did;
+* ``single_cpu_s``, ``replica_cpu_s_N`` and ``source_round_cpu_s_N``: CPU seconds (user and system) a
+  replica's process tree used from spawn to READY, and the fan-out source during its round; with
+  ``fanout_N_cpu_floor_s`` (their sum over the host's cores) they say how much of a fan-out's time
+  any schedule of the same work on this host would take;
 * ``load_avg_1m``: the host's 1-minute load average before and after the run (other work competes
   for the same cores: the fan-out is CPU-bound here);
 * ``source_bytes_sent_N``: what the source daemon's round sent (its log), against ``model_bytes``,
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from wcache.bench.api import free_port
 from wcache.bench.failure import bench_failure
-from wcache.bench.processes import DaemonUnderTest
+from wcache.bench.processes import DaemonUnderTest, tree_cpu_s
 from wcache.bench.settings import BenchSettings
 from wcache.wire.sockets import short_private_dir
 
@@ -121,7 +125,7 @@ class Bench:
             for d in started:
                 d.wait_ready(t0)
             took = time.monotonic() - t0
-            return took, [_seeded(d) for d in started]
+            return took, [{**_seeded(d), "cpu_s": tree_cpu_s(d.proc.pid)} for d in started]
         finally:
             for d in started:
                 d.stop()
@@ -142,10 +146,17 @@ def _round(source: DaemonUnderTest, replicas: int) -> dict:
     return {"how": m.group(2), "seconds": float(m.group(3)), "bytes_sent": int(m.group(4)), "arena": int(m.group(5))}
 
 
-def _fanout(fans: list, fan: int, window: float, single_s: float, model_bytes: int) -> dict:
-    """The fan-out round's fields: the median (lower) of the repeats, against one replica and the model."""
+def _fanout(fans: list, fan: int, window: float, single_s: float, model_bytes: int, cores: int) -> dict:
+    """The fan-out round's fields: the median (lower) of the repeats, against one replica and the model.
+    ``fanout_N_cpu_floor_s``: the CPU seconds the N replicas' process trees used up to READY and the
+    source's during the round, over the host's cores: the time the fan-out cannot beat on this host
+    (every core busy all along), so what of ``fanout_N_s`` is the host's and what the design's."""
     fan_s, fan_rep, fan_round = sorted(fans, key=lambda f: f[0])[(len(fans) - 1) // 2]
-    return {"window_s": window, "round_replicas": fan, f"fanout_{fan}_s": round(fan_s, 3),
+    floor = (sum(r["cpu_s"] for r in fan_rep) + fan_round["cpu_s"]) / cores
+    return {f"replica_cpu_s_{fan}": [round(r["cpu_s"], 2) for r in fan_rep],
+            f"source_round_cpu_s_{fan}": round(fan_round["cpu_s"], 2),
+            f"fanout_{fan}_cpu_floor_s": round(floor, 3), f"fanout_{fan}_cpu_floor_vs_single": round(floor / single_s, 3),
+            "window_s": window, "round_replicas": fan, f"fanout_{fan}_s": round(fan_s, 3),
             f"fanout_{fan}_round_s": fan_round["seconds"], f"fanout_{fan}_how": fan_round["how"],
             f"source_bytes_sent_{fan}": fan_round["bytes_sent"],
             f"replica_bytes_sent_{fan}": [r["bytes_sent"] for r in fan_rep],
@@ -168,13 +179,14 @@ def run_bench_seed(settings: BenchSettings) -> int:
     # where measuring each kind in a block of its own let a change of load favour one side.
     src, address = bench.source(0.0)
     fan_src = None
-    singles, seeds, rounds, disk, raw, touched, fans = [], [], [], [], [], [], []
+    singles, single_cpu, seeds, rounds, disk, raw, touched, fans = [], [], [], [], [], [], [], []
     try:
         if fan:  # 0: no fan-out round (one GPU holds a source and one replica of a large model, not five)
             fan_src, fan_address = bench.source(window, fan)
         for _ in range(repeat):
             took, (one,) = bench.replicas(address, 1)
             singles.append(took)
+            single_cpu.append(one["cpu_s"])
             seeds.append(one["seconds"])
             rounds.append(_round(src, 1))
             model_bytes = rounds[0]["arena"]
@@ -186,8 +198,9 @@ def run_bench_seed(settings: BenchSettings) -> int:
             disk.append(d.ready_s)
             d.stop()
             if fan:
+                src_cpu = tree_cpu_s(fan_src.proc.pid)
                 took, replicas = bench.replicas(fan_address, fan)
-                fans.append((took, replicas, _round(fan_src, fan)))
+                fans.append((took, replicas, {**_round(fan_src, fan), "cpu_s": tree_cpu_s(fan_src.proc.pid) - src_cpu}))
     finally:
         for s in (src, fan_src):
             if s is not None:
@@ -201,14 +214,15 @@ def run_bench_seed(settings: BenchSettings) -> int:
               "seed_gb_per_s": round(model_bytes / seed_s / 1e9, 3), "raw_tcp_gb_per_s": round(model_bytes / raw_s / 1e9, 3),
               "raw_tcp_touched_gb_per_s": round(model_bytes / statistics.median(touched) / 1e9, 3),
               "seed_s": round(seed_s, 4), "raw_tcp_s": round(raw_s, 4), "single_source_round_s": rounds[0]["seconds"],
-              "single_s": round(single_s, 3), "disk_s": round(statistics.median(disk), 3),
+              "single_s": round(single_s, 3), "single_cpu_s": round(statistics.median(single_cpu), 2),
+              "disk_s": round(statistics.median(disk), 3),
               "samples": {"seed_s": seeds, "raw_tcp_s": [round(r, 4) for r in raw],
                           "raw_tcp_touched_s": [round(r, 4) for r in touched], "single_s": [round(s, 3) for s in singles],
                           "disk_s": [round(s, 3) for s in disk]}}
     record["seed_vs_raw_tcp"] = round(record["seed_gb_per_s"] / record["raw_tcp_gb_per_s"], 3)
     record["single_vs_disk"] = round(single_s / record["disk_s"], 3)
     if fan:
-        record.update(_fanout(fans, fan, window, single_s, model_bytes))
+        record.update(_fanout(fans, fan, window, single_s, model_bytes, os.cpu_count() or 1))
         record["samples"].update({f"fanout_{fan}_s": [round(f[0], 3) for f in fans],
                                   f"fanout_{fan}_round_s": [f[2]["seconds"] for f in fans],
                                   f"source_bytes_sent_{fan}": [f[2]["bytes_sent"] for f in fans]})
