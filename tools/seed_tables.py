@@ -22,15 +22,17 @@ def _fan(d: dict) -> int | None:
 
 def _fan_cells(d: dict, n: int | None) -> str:
     if n is None:
-        return "| no round | | | |"
+        return "| no round | | | | |"
+    floor = d.get(f"fanout_{n}_cpu_floor_vs_single")
     return (f"| {n} | {fmt_seconds(d[f'fanout_{n}_s'])} | {fmt_ratio(d[f'fanout_{n}_vs_single'])} "
+            f"| {'not recorded' if floor is None else fmt_ratio(floor)} "
             f"| {d[f'source_bytes_sent_{n}_vs_model']:.2f}x the arena |")
 
 
 def seed_table(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmarks/") -> str:
     rows = ["| Record | Device | Host load (1 min, before and after) | Arena | Seeding | Raw TCP, fresh memory | Raw TCP, touched memory | Seeding over raw "
-            "| One replica, spawn to READY | Disk start | N | N replicas at once | N over one | Source sent for N |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| One replica, spawn to READY | Disk start | N | N replicas at once | N over one | N's CPU over the cores, over one | Source sent for N |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for path, d in seed_records(bench_dir):
         n = _fan(d)
         device = d.get("gpu") or f"CPU ({d['cpu_count']} cores)"
