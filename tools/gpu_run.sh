@@ -36,6 +36,7 @@
 #   seed8b           llama-8b checkpoint (240), then `wcache bench --seed --seed-replicas 0` (420): a replica
 #                    daemon on the same GPU seeded over TCP from a llama-8b source, its READY time beside a
 #                    disk start, and the raw TCP copy of the arena's bytes  -> llama-8b-seed.json and .log
+#   seedsmall        the same with the small preset (about 500 MB): a minute, where llama-8b's is several
 # tests + pages1 + pages2 together are `make test-gpu` (WCACHE_RUN_GPU_BLOCKS=1 pytest tests -m gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,10 +122,11 @@ for s in "$@"; do
       checkpoint /tmp/llama-8b llama-8b || rc=1
       stage "stream llama-8b" 420 llama-8b-streaming.log python3 -m wcache.bench.streaming /tmp/llama-8b --clients 64 \
         --max-tokens 128 --vs-one --device cuda --dtype bfloat16 --output "$OUT/llama-8b-streaming.json" || rc=1 ;;
-    seed8b)
-      checkpoint /tmp/llama-8b llama-8b || rc=1
-      stage "bench llama-8b seed" 420 llama-8b-seed.log wcache bench --seed --seed-replicas 0 --repeat 1 \
-        --model /tmp/llama-8b --device cuda --output "$OUT/llama-8b-seed.json" || rc=1 ;;
+    seed8b|seedsmall)
+      preset=$([ "$s" = seed8b ] && echo llama-8b || echo small)
+      checkpoint "/tmp/$preset" "$preset" || rc=1
+      stage "bench $preset seed" 420 "$preset-seed.log" wcache bench --seed --seed-replicas 0 --repeat 1 \
+        --model "/tmp/$preset" --device cuda --output "$OUT/$preset-seed.json" || rc=1 ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
