@@ -28,7 +28,8 @@ def gpu_tests_summary(bench_dir: Path = BENCH_DIR, link_prefix: str = "benchmark
         if not found:
             raise ValueError(f"{log}: no pytest summary line")
         # pytest's short summary: a failed test, or a test file that could not be collected
-        failed = ", ".join(dict.fromkeys(f"`{m.group(1)}`" for m in re.finditer(r"^(?:FAILED|ERROR) (tests/\S+)", text,
-                                                                               re.MULTILINE)))
+        # the tier's workers (tools/gpu_worker.py) name a test twice, ``ID@ID``: once is enough
+        failed = ", ".join(dict.fromkeys(f"`{m.group(1)}`" for m in re.finditer(r"^(?:FAILED|ERROR) (tests/[^\s@]+)",
+                                                                               text, re.MULTILINE)))
         rows.append(f"| [{log.name}]({link_prefix}{log.name}) | `{found[-1].strip()}` | {failed or 'none'} |")
     return "\n".join(rows)
