@@ -46,6 +46,8 @@ from wcache.bench.api import free_port
 from wcache.bench.failure import bench_failure
 from wcache.bench.processes import DaemonUnderTest, tree_cpu_s
 from wcache.bench.settings import BenchSettings
+from wcache.daemon.seed_settings import MAX_ROUND
+from wcache.errors import UserError
 from wcache.wire.sockets import short_private_dir
 
 TOKEN_ENV = "WCACHE_SEED_TOKEN"
@@ -168,6 +170,9 @@ def run_bench_seed(settings: BenchSettings) -> int:
     from wcache.bench.host import environment
     from wcache.core.config import EngineConfig
 
+    if not 0 <= settings.seed_replicas <= MAX_ROUND:
+        raise UserError(f"--seed-replicas must be from 0 to {MAX_ROUND} (0: no fan-out round), "
+                        f"got {settings.seed_replicas}")
     cfg = EngineConfig.build(settings.model, settings.dtype, None, settings.device)
     work = short_private_dir("wcache-seed-")
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())  # every daemon of the run inherits it

@@ -329,7 +329,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--seed", action="store_true",
                    help="instead: weight seeding from a running daemon against a raw TCP copy of the same bytes, "
                         "one replica against --seed-replicas at once, and against a disk start (bench/seeding.py)")
-    p.add_argument("--seed-replicas", type=int, default=4, help="with --seed: replicas of the fan-out round")
+    p.add_argument("--seed-replicas", type=int, default=4,
+                   help="with --seed: replicas of the fan-out round (0: no round, for one GPU that holds a "
+                        "source and one replica of the model but not more)")
     p.add_argument("--seed-window", type=float, default=3.0,
                    help="with --seed: the fan-out source's --weight-cache-seed-round-window (its "
                         "--weight-cache-seed-round-replicas is --seed-replicas)")
