@@ -164,8 +164,10 @@ def test_a_process_of_the_same_uid_cannot_read_memory_or_take_descriptors(other_
         kinds |= {"respawn front or supervisor": supervisor.pid, "respawn serving engine": worker,
                   "respawn spare": spare}
 
+        # a free master port: the default (29501) is the guide's, whose pages (parallelism.md) run on the
+        # other worker at the same time; both CI failures of this pair were EADDRINUSE on 29501
         front, _ = serve(env, tmp_path / "tp2.log", model, "--tensor-parallel-size", "2", "--load-format",
-                         "safetensors")
+                         "safetensors", "--master-port", str(free_port()))
         procs.append(front)
         [runner] = [p for p in engine_workers(front.pid)
                     if "wcache.engine.worker.runner" in Path(f"/proc/{p}/cmdline").read_text()]
